@@ -1,0 +1,137 @@
+"""Helpers shared by the benchmarks: CUDA-graph replay timing, the HBM read floor, results.
+
+Every benchmark here times work the way serving runs it: captured once in a CUDA graph and
+replayed; each replay is bracketed by CUDA events on the replaying stream, and the median over
+the replays is reported (host launch gaps between replays are not counted). Weight-streaming
+benchmarks rotate several weight copies inside one graph so that L2 (50 MB on H100/H200)
+cannot serve them, and divide by the number of copies.
+
+The floor of a weight stream is its bytes over the HBM read bandwidth measured in the same
+run by ``kimi_experts._C.probe_read`` (a plain 16-byte-load read kernel) over >= 4 GiB.
+
+PyTorch is a benchmark dependency only; it is imported inside the functions that need it.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable, Iterable, Mapping, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(repo: str = _REPO) -> str:
+    """The checked-out commit (with "-dirty" when the work tree has changes), or "unknown"."""
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: int = 10) -> float:
+    """Median time in microseconds of one replay of a CUDA graph that captures ``fn()``.
+
+    ``fn`` must enqueue its work on ``torch.cuda.current_stream()`` (the capture stream while
+    capturing, the replay stream afterwards). It runs once eagerly first (lazy initialisation,
+    library heuristics), then is captured; ``warmup`` replays precede the ``replays`` timed ones.
+    """
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for start, end in zip(starts, ends):
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) * 1000.0 for start, end in zip(starts, ends)]
+    del graph
+    return statistics.median(times)
+
+
+def probe_read(buf, stream=None) -> None:
+    """Enqueue kimi_experts' read-bandwidth kernel over every byte of the CUDA tensor ``buf``."""
+    import torch
+    from kimi_experts import _C
+
+    stream = torch.cuda.current_stream() if stream is None else stream
+    try:
+        _C.probe_read(buf, stream.cuda_stream)
+    except TypeError:  # a binding that wants the stream object rather than its handle
+        _C.probe_read(buf, stream)
+
+
+def measure_hbm_read_bandwidth(nbytes: int = 4 << 30, replays: int = 20) -> float:
+    """HBM read bandwidth in TB/s: probe_read over ``nbytes`` (>= 4 GiB) in a CUDA graph."""
+    import torch
+
+    if nbytes < (4 << 30):
+        raise ValueError(f"nbytes: expected >= 4 GiB so that L2 cannot serve it, got {nbytes}")
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    buf.fill_(1)
+    us = graph_replay_time_us(lambda: probe_read(buf), replays=replays, warmup=3)
+    del buf
+    torch.cuda.empty_cache()
+    return nbytes / (us * 1e-6) / 1e12
+
+
+def write_json(path: str, rows: Sequence[Mapping], command: str | None = None, **meta) -> None:
+    """Write ``{"date", "git_commit", "command", "gpu", **meta, "rows"}`` to ``path``."""
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": command if command is not None else " ".join([sys.executable] + sys.argv),
+    }
+    try:
+        doc["gpu"] = gpu_name()
+    except Exception:  # no torch or no GPU: the caller may still pass gpu= in meta
+        pass
+    doc.update(meta)
+    doc["rows"] = list(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-2 or abs(value) >= 1e5 else f"{value:.2f}"
+    return str(value)
+
+
+def print_table(rows: Iterable[Mapping], cols: Sequence[str], file=None) -> None:
+    """Print ``rows`` as an aligned text table of the columns ``cols`` (missing cells: "-")."""
+    rows = list(rows)
+    cells = [[_cell(r.get(c, "-")) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    out = file or sys.stdout
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=out)

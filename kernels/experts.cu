@@ -1,0 +1,783 @@
+/* experts.cu: one MoE layer's routed experts in one persistent launch (SPEC 3).
+ *
+ * Math, per token t and slot j with e = ids[t, j]:
+ *   xq = MXFP8(x[t]) (rceil); a = W13[e] . xq; h = SiTU(a); hq = MXFP8(h);
+ *   out[t K + j] = bf16(W2[e] . hq)   or, combined, z[t] = bf16(sum_j w[t,j] out[t K + j]).
+ *
+ * Why it is shaped this way: decode is memory-bound (k3-tp8 B=1 reads 35 MB of FP4 and
+ * does almost no math), so the kernel is a weight stream. One CTA per SM: a producer
+ * warp fills a 6-stage shared-memory ring with weight chunks (moe_layout.cuh) and the
+ * matching activation rows; 8 consumer warps widen FP4 to
+ * e4m3 in registers, run mma.sync m16n8k32 e4m3 (weights on the 16-row side, tokens on
+ * the 8-column side), and fold the two E8M0 scales of each 32-block into fp32
+ * accumulators. The weights come in one 17 KB bulk copy per stage (the copy engine is
+ * paid per copy, so activations never take a copy of their own); the producer warp's
+ * 32 lanes fetch the activation rows with 16-byte cp.async into the same stage. Tiles are dealt round-robin over the grid: all FC1 tiles first, then
+ * all FC2 tiles, so FC2 weights stream while the last FC1 tiles finish.
+ *
+ * Phases inside the launch (no grid-wide barrier on the weight path):
+ *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
+ *      previous kernel under programmatic dependent launch);
+ *   1. every CTA routes all pairs itself (route.cuh) -> units of <= 8 tokens;
+ *   2. consumers quantize their share of x to MXFP8 in scratch; a counter says done
+ *      (the producer waits for it only before the first activation copy);
+ *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 8 warps split K
+ *      and reduce in a fixed order (deterministic), apply SiTU, store h (fp32). The CTA
+ *      that finishes a unit's last FC1 tile quantizes its h to MXFP8 and releases it;
+ *   4. FC2 tile = 64 or 128 output rows of one unit; its producer waits for the unit's hidden
+ *      rows before copying them (the weights are already on their way); bf16 results
+ *      go to every slot that routed the token there. Combined output: each (token,
+ *      column tile) counts arrivals and the last arriving CTA sums the slots in
+ *      slot order.
+ *   5. the last CTA to finish resets the counters, so scratch is clean for the next
+ *      call of any layer that shares it.
+ * Shape limits: H % 64 == 0, I % 32 == 0, 1 <= K <= 32, E <= 4096, <= 64 tokens and
+ * <= 1024 pairs per launch (the host splits larger batches into several launches).
+ */
+#include <cuda_bf16.h>
+
+#include "kimi_kernels.h"
+#include "moe_layout.cuh"
+#include "mx.cuh"
+#include "pipeline.cuh"
+#include "route.cuh"
+
+namespace kx {
+namespace {
+
+/* ---- constants ---------------------------------------------------------------- */
+/* warp roles: 8 MMA (consumer) warps, a weight producer, an activation producer and
+ * 4 epilogue warps, so neither copies nor epilogues ever wait behind each other */
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumerThreads = kConsumerWarps * 32;
+constexpr int kWeightWarp = kConsumerWarps;
+constexpr int kActivationWarp = kWeightWarp + 1;
+constexpr int kFirstEpilogueWarp = kActivationWarp + 1;
+constexpr int kEpilogueWarps = 4;
+constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
+constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
+constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
+constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
+constexpr int kActRowBytes = kMaxChunkKb * kActBlockBytes + 64; /* +64: 16-byte loads of 8 rows hit all banks */
+constexpr int kActScaleFloats = kMaxChunkKb;
+constexpr int kStageWeightBytes = kChunkMaxBytes;
+constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
+constexpr int kStageBytes = kStageWeightBytes + kStageActBytes + kGroupTokens * kActScaleFloats * 4;
+constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
+constexpr int kConsumerBarrier = 1;
+constexpr uint16_t kBf16Nan = 0x7FC0;
+constexpr int kCopyPiece = 16; /* cp.async granule */
+static_assert(kThreads == kRouteThreads, "the whole CTA routes");
+static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
+static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
+static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
+static_assert(kUnitsPerWarp == 8, "consume_tile keeps one chunk's 8 units per warp in registers");
+
+/* ---- scratch (global) layout: one place, used by host and device ---------------- */
+struct SyncWords {
+  int xq_ready;               /* CTAs done quantizing x */
+  int done;                   /* CTAs finished */
+  unsigned long long fault;   /* ~((pair << 32) | id) of the first bad id, 0 = none */
+};
+
+struct ScratchLayout {
+  int64_t sync, fc1_done, unit_ready, combine_count, xq, xs, h, hq, hs, y, total;
+};
+
+KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
+
+KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_tokens) {
+  const int pairs = launch_tokens * s.top_k, units = max_units_for(pairs);
+  const PhaseShape fc1 = fc1_shape(s.experts, s.hidden, s.inter);
+  const PhaseShape fc2 = fc2_shape(s.experts, s.hidden, s.inter);
+  ScratchLayout L;
+  int64_t at = 0;
+  L.sync = at; at = align128(at + sizeof(SyncWords));
+  L.fc1_done = at; at = align128(at + 4 * (int64_t)units);
+  L.unit_ready = at; at = align128(at + 4 * (int64_t)units);
+  L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
+  L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
+  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.chunks() * fc1.chunk_kb);
+  L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
+  L.hq = at; at = align128(at + 2 * (int64_t)pairs * s.inter);
+  L.hs = at; at = align128(at + 4 * (int64_t)pairs * fc2.chunks() * fc2.chunk_kb);
+  L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
+  L.total = at;
+  return L;
+}
+
+/* ---- shared memory layout ------------------------------------------------------- */
+struct SmemLayout {
+  int ring, full, empty, parked, freed, reduce, flags, act_rows;
+  int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
+  int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals;
+  int bytes;
+};
+
+constexpr int kReduceFloats = kConsumerWarps * kStripRows * kGroupTokens; /* [warp][row][token] */
+constexpr int kFlagWords = 1; /* last CTA out */
+
+KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
+  SmemLayout L;
+  int at = 0;
+  auto take = [&at](int bytes, int align) { at = (at + align - 1) / align * align; int o = at; at += bytes; return o; };
+  L.ring = take(kStages * kStageBytes, 128);
+  L.full = take(8 * kStages, 8);
+  L.empty = take(8 * kStages, 8);
+  L.parked = take(8 * kEpilogueWarps, 8);
+  L.freed = take(8 * kEpilogueWarps, 8);
+  L.reduce = take(4 * kReduceFloats * kEpilogueWarps, 16);
+  L.flags = take(4 * kFlagWords, 4);
+  L.act_rows = take(4 * kGroupTokens, 4);
+  L.token_mask = take(8 * pairs, 8);
+  L.expert_slot = take(4 * experts, 4);
+  L.expert_scan = take(4 * pairs, 4);
+  L.token_experts = take(4 * kMaxLaunchTokens, 4);
+  L.token_bad = take(4 * kMaxLaunchTokens, 4);
+  L.chunk_mask = take(4 * 32, 4);
+  L.scan_tmp = take(4 * 32, 4);
+  L.totals = take(4 * 4, 4);
+  L.pair_expert = take(2 * pairs, 2);
+  L.expert_id = take(2 * pairs, 2);
+  L.unit_expert = take(2 * max_units_for(pairs), 2);
+  L.unit_group = take(max_units_for(pairs), 1);
+  L.bytes = (at + 127) / 128 * 128;
+  return L;
+}
+
+/* ---- kernel parameters ---------------------------------------------------------- */
+struct Params {
+  kx_moe_shape shape;
+  PhaseShape fc1, fc2;
+  SmemLayout smem;
+  const uint8_t *packed;
+  const __nv_bfloat16 *x;   /* row tok0 */
+  int64_t x_ld;
+  const int32_t *ids;       /* row tok0 */
+  int64_t ids_ld;
+  const float *route_weights; /* row tok0, or NULL */
+  int64_t rw_ld;
+  __nv_bfloat16 *out;       /* row 0 of the caller's output */
+  int64_t out_ld;
+  int tok0, tokens;
+  float beta, linear_beta;
+  bool hidden_floor;
+  SyncWords *sync;
+  int *fc1_done, *unit_ready, *combine_count;
+  uint8_t *xq; /* f16 codes in fragment order (quantize_store) */
+  float *xs;
+  float *h;
+  uint8_t *hq; /* likewise */
+  float *hs;
+  __nv_bfloat16 *y;
+};
+
+/* ---- small device helpers --------------------------------------------------------- */
+/* d += A (16x16 f16, 4 registers) x B (16x8 f16, 2 registers), fp32 accumulate. */
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9},"
+      " {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Four bf16 to dst: one 8-byte store when aligned (it is for the usual strides). */
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16 *dst, const float (&v)[4]) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+  if (((uintptr_t)dst & 7) == 0) {
+    uint2 w;
+    w.x = *reinterpret_cast<uint32_t *>(&lo);
+    w.y = *reinterpret_cast<uint32_t *>(&hi);
+    *reinterpret_cast<uint2 *>(dst) = w;
+  } else {
+    dst[0] = lo.x; dst[1] = lo.y; dst[2] = hi.x; dst[3] = hi.y;
+  }
+}
+
+/* 32 consecutive bf16 -> fp32 (16-byte loads when aligned). */
+__device__ __forceinline__ void load_bf16x32(const __nv_bfloat16 *src, float (&v)[kMxBlock]) {
+  if (((uintptr_t)src & 15) == 0) {
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 8; ++i) {
+      uint4 w = *reinterpret_cast<const uint4 *>(src + 8 * i);
+      const __nv_bfloat162 *p = reinterpret_cast<const __nv_bfloat162 *>(&w);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float2 f = __bfloat1622float2(p[k]);
+        v[8 * i + 2 * k] = f.x;
+        v[8 * i + 2 * k + 1] = f.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMxBlock; ++i) v[i] = __bfloat162float(src[i]);
+  }
+}
+
+/* Quantizes one block of 32 fp32 to MXFP8 and stores the 32 codes as f16 (64 bytes,
+ * 16-byte aligned) in MMA fragment order: lane t of a quad reads k = 2t, 2t+1, 2t+8,
+ * 2t+9, 2t+16, 2t+17, 2t+24, 2t+25 (its B registers of both m16n8k16) as one 16-byte
+ * load from offset 16t. Plus the block's scale as fp32. */
+__device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, uint8_t *dst,
+                                               float *scale_dst) {
+  uint32_t q[kMxBlock / 4];
+  const uint8_t s = quantize_block32(v, floor_mode, q);
+  uint4 *d = reinterpret_cast<uint4 *>(dst);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    /* bytes 2t, 2t+1 live in word t/2 at byte offset 2(t%2); +8 is the next-but-one word */
+    const int shift = 16 * (t % 2);
+    d[t] = make_uint4(e4m3x2_to_f16x2(q[t / 2] >> shift), e4m3x2_to_f16x2(q[t / 2 + 2] >> shift),
+                      e4m3x2_to_f16x2(q[t / 2 + 4] >> shift), e4m3x2_to_f16x2(q[t / 2 + 6] >> shift));
+  }
+  *scale_dst = e8m0_to_float(s);
+}
+
+struct Stage {
+  uint8_t *weights, *act;
+  float *act_scale;
+};
+
+__device__ __forceinline__ Stage stage_at(uint8_t *smem, const SmemLayout &L, int s) {
+  uint8_t *base = smem + L.ring + s * kStageBytes;
+  return Stage{base, base + kStageWeightBytes, reinterpret_cast<float *>(base + kStageWeightBytes + kStageActBytes)};
+}
+
+/* Which phase, unit and tile a global tile index names. */
+struct TileRef {
+  bool fc1;
+  int unit, tile;
+};
+
+__device__ __forceinline__ TileRef tile_ref(const Params &p, int index, int fc1_tiles) {
+  const bool fc1 = index < fc1_tiles;
+  const int i = fc1 ? index : index - fc1_tiles;
+  const int per_unit = fc1 ? p.fc1.tiles : p.fc2.tiles;
+  return TileRef{fc1, i / per_unit, i % per_unit};
+}
+
+/* ---- producers: the copy streams ------------------------------------------------------ */
+/* Weights never wait for data: this warp only waits for free stages, so the weight
+ * stream runs ahead across phase and unit boundaries. */
+__device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
+  uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
+  uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
+  const uint64_t policy = l2_evict_first_policy();
+  int it = 0;
+  for (int index = blockIdx.x; index < total_tiles; index += gridDim.x) {
+    const TileRef ref = tile_ref(p, index, fc1_tiles);
+    const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
+    const int expert = r.expert_id[r.unit_expert[ref.unit]];
+    for (int c = 0; c < ph.chunks(); ++c, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+      mbar_arrive_expect_tx(&full[s], ph.chunk_bytes(c));
+      bulk_copy_streaming(stage_at(smem, p.smem, s).weights, p.packed + ph.chunk_offset(expert, ref.tile, c),
+                          ph.chunk_bytes(c), &full[s], policy);
+    }
+  }
+}
+
+/* Activation rows of a unit for one chunk: 16-byte cp.async pieces spread over the
+ * lanes (the copy engine is kept for the weights). A scale row is rounded up to whole
+ * pieces: scratch holds full chunks, so that stays inside the row. */
+__device__ __forceinline__ void copy_activations(const Stage &st, const uint8_t *q_src, int64_t q_row_stride,
+                                                 const float *s_src, int64_t s_row_stride, const int *rows, int count,
+                                                 int row_bytes, int scale_bytes) {
+  const int lane = threadIdx.x & 31;
+  const int q_pieces = row_bytes / kCopyPiece, s_pieces = (scale_bytes + kCopyPiece - 1) / kCopyPiece;
+  for (int i = 0; i < count; ++i) {
+    for (int k = lane; k < q_pieces; k += 32)
+      cp_async16(st.act + i * kActRowBytes + k * kCopyPiece, q_src + rows[i] * q_row_stride + k * kCopyPiece);
+    for (int k = lane; k < s_pieces; k += 32)
+      cp_async16(reinterpret_cast<uint8_t *>(st.act_scale + i * kActScaleFloats) + k * kCopyPiece,
+                 reinterpret_cast<const uint8_t *>(s_src + rows[i] * s_row_stride) + k * kCopyPiece);
+  }
+}
+
+/* Whether the units of this CTA's next 32 tiles have their hidden rows: one round trip
+ * for 32 flags (a flag read costs about a microsecond, as long as an FC2 tile's copy). */
+__device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int total_tiles, int fc1_tiles) {
+  const int lane = threadIdx.x & 31, ahead = index + lane * gridDim.x;
+  bool ready = true;
+  if (ahead < total_tiles) {
+    const TileRef ref = tile_ref(p, ahead, fc1_tiles);
+    ready = ref.fc1 || load_acquire(&p.unit_ready[ref.unit]) != 0;
+  }
+  const uint32_t mask = __ballot_sync(0xFFFFFFFFu, ready);
+  fence_acq_rel_gpu(); /* what one lane acquired, every lane's copies may read */
+  return mask;
+}
+
+/* Activations are written in this launch by other CTAs, so this warp waits for them:
+ * x once, each unit's hidden rows before its first FC2 tile. */
+__device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
+  uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
+  uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
+  int *rows = reinterpret_cast<int *>(smem + p.smem.act_rows);
+  const int lane = threadIdx.x & 31;
+  bool x_ready = false;
+  uint32_t known_ready = 0; /* bit i: this CTA's tile q_known + i has its activations */
+  int q_known = 0;
+  int it = 0;
+  for (int index = blockIdx.x, q = 0; index < total_tiles; index += gridDim.x, ++q) {
+    const TileRef ref = tile_ref(p, index, fc1_tiles);
+    const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
+    const Unit unit = unit_info(r, ref.unit);
+    __syncwarp();
+    if (lane < unit.count) /* FC1 reads x rows (tokens), FC2 the unit's hidden rows */
+      rows[lane] = ref.fc1 ? nth_set_bit(unit.mask, unit.first_rank + lane) : unit.row0 + lane;
+    if (ref.fc1 && !x_ready) {
+      wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
+      x_ready = true;
+    } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
+      q_known = q;
+      known_ready = poll_units(p, index, total_tiles, fc1_tiles);
+      if (!(known_ready & 1)) wait_at_least(&p.unit_ready[ref.unit], 1);
+    }
+    __syncwarp();
+    for (int c = 0; c < ph.chunks(); ++c, ++it) {
+      const int s = it % kStages;
+      const Stage st = stage_at(smem, p.smem, s);
+      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+      const int nkb = ph.chunk_k_blocks(c);
+      if (ref.fc1)
+        copy_activations(st, p.xq + c * ph.chunk_kb * kActBlockBytes, 2 * (int64_t)p.shape.hidden,
+                         p.xs + c * ph.chunk_kb, (int64_t)ph.chunks() * ph.chunk_kb, rows, unit.count,
+                         nkb * kActBlockBytes, nkb * 4);
+      else
+        copy_activations(st, p.hq + c * ph.chunk_kb * kActBlockBytes, 2 * (int64_t)p.shape.inter,
+                         p.hs + c * ph.chunk_kb, (int64_t)ph.chunks() * ph.chunk_kb, rows, unit.count,
+                         nkb * kActBlockBytes, nkb * 4);
+      cp_async_arrive(&full[s]);
+    }
+  }
+}
+
+/* ---- consumers: decode + MMA over one tile's chunks ------------------------------------ */
+/* acc: rows g / g+8 x token columns 2t / 2t+1 of this warp's strip, summed over this
+ * warp's k-blocks (a fixed set, so the result is deterministic). Each warp owns 8 units
+ * of a full chunk; all their shared-memory loads are issued before the first MMA. */
+__device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, int &it,
+                                             float (&acc)[4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int strip = warp % ph.strips, k_slot = warp / ph.strips, k_step = kConsumerWarps / ph.strips;
+  uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
+  uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+
+  for (int c = 0; c < ph.chunks(); ++c, ++it) {
+    const int s = it % kStages;
+    const Stage st = stage_at(smem, p.smem, s);
+    mbar_wait(&full[s], (it / kStages) & 1);
+    const int nkb = ph.chunk_k_blocks(c);
+    const uint8_t *scales = st.weights + ph.strips * nkb * kUnitWeightBytes;
+    uint2 w[kUnitsPerWarp];
+    uint4 b[kUnitsPerWarp];
+    uint32_t sw[kUnitsPerWarp];
+    float sx0[kUnitsPerWarp], sx1[kUnitsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kUnitsPerWarp; ++j) {
+      const int kb = k_slot + j * k_step, unit = strip * nkb + kb;
+      if (kb < nkb) {
+        w[j] = *reinterpret_cast<const uint2 *>(st.weights + unit * kUnitWeightBytes + lane * 8);
+        sw[j] = *reinterpret_cast<const uint16_t *>(scales + unit * kUnitScaleBytes + 2 * g);
+        b[j] = *reinterpret_cast<const uint4 *>(st.act + g * kActRowBytes + kb * kActBlockBytes + 16 * t);
+        sx0[j] = st.act_scale[(2 * t) * kActScaleFloats + kb];
+        sx1[j] = st.act_scale[(2 * t + 1) * kActScaleFloats + kb];
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[s]); /* everything of this stage is in registers */
+#pragma unroll
+    for (int j = 0; j < kUnitsPerWarp; ++j) {
+      if (k_slot + j * k_step < nkb) {
+        const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+        uint32_t a_lo[4], a_hi[4];
+        decode_fp4x8(w[j].x, a_lo);
+        decode_fp4x8(w[j].y, a_hi);
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_f16(d, a_lo, b[j].x, b[j].y);
+        mma_f16(d, a_hi, b[j].z, b[j].w);
+        acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
+        acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
+        acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
+        acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
+      }
+    }
+  }
+}
+
+/* Parks this warp's partial sums as [warp][row][token] for the reduction. */
+__device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float *r = reduce + warp * kStripRows * kGroupTokens;
+  r[g * kGroupTokens + 2 * t] = acc[0];
+  r[g * kGroupTokens + 2 * t + 1] = acc[1];
+  r[(g + 8) * kGroupTokens + 2 * t] = acc[2];
+  r[(g + 8) * kGroupTokens + 2 * t + 1] = acc[3];
+}
+
+/* Sum over the warps that share a strip, in warp order; times the FP4 placement gain. */
+__device__ __forceinline__ float reduced(const float *reduce, int strips, int strip, int row, int token) {
+  float sum = 0.0f;
+  for (int w = strip; w < kConsumerWarps; w += strips) sum += reduce[(w * kStripRows + row) * kGroupTokens + token];
+  return sum * kFp4AsF16Gain;
+}
+
+/* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
+/* FC1: SiTU -> h; the CTA that finishes a unit's last FC1 tile quantizes its h. */
+__device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref) {
+  const int lane = threadIdx.x & 31, I = p.shape.inter;
+  for (int o = lane; o < unit.count * kStripRows; o += 32) {
+    const int row = o % kStripRows, token = o / kStripRows;
+    const float gate = reduced(reduce, kFc1Strips, 0, row, token);
+    const float up = reduced(reduce, kFc1Strips, 1, row, token);
+    p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = situ(gate, up, p.beta, p.linear_beta);
+  }
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) {
+    __threadfence(); /* release this tile's h */
+    last = atomicAdd(&p.fc1_done[ref.unit], 1) == p.fc1.tiles - 1;
+  }
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+  __threadfence(); /* acquire the other tiles' h */
+
+  const int kb_per_row = I / kMxBlock, chunk_kb = p.fc2.chunk_kb;
+  for (int b = lane; b < unit.count * kb_per_row; b += 32) {
+    const int r = unit.row0 + b / kb_per_row, kb = b % kb_per_row;
+    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
+    float v[kMxBlock];
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 4; ++i) {
+      const float4 f = __ldcg(src + i);
+      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
+    quantize_store(v, p.hidden_floor, p.hq + ((int64_t)r * I + kb * kMxBlock) * 2,
+                   p.hs + ((int64_t)r * p.fc2.chunks() + kb / chunk_kb) * chunk_kb + kb % chunk_kb);
+  }
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();
+    store_release(&p.unit_ready[ref.unit], 1);
+  }
+}
+
+__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile);
+
+/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
+__device__ void finish_fc2_tile(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
+                                const TileRef &ref) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
+  const int quads = strips * kStripRows / 4; /* 4 consecutive output columns per step */
+  for (int o = lane; o < unit.count * quads; o += 32) {
+    const int token_i = o / quads, row4 = (o % quads) * 4;
+    const int strip = row4 / kStripRows, row = row4 % kStripRows;
+    const int col0 = ref.tile * strips * kStripRows + row4;
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = reduced(reduce, strips, strip, row + k, token_i);
+    if (p.route_weights) {
+      store_bf16x4(p.y + (int64_t)(unit.row0 + token_i) * H + col0, v);
+    } else {
+      const int t = nth_set_bit(unit.mask, unit.first_rank + token_i);
+      for (int j = 0; j < K; ++j)
+        if (r.pair_expert[t * K + j] == unit.expert)
+          store_bf16x4(p.out + ((int64_t)(p.tok0 + t) * K + j) * p.out_ld + col0, v);
+    }
+  }
+  if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
+}
+
+/* z[t, cols] = bf16(sum_j w[t, j] * y[t, j, cols]) in slot order, by whichever CTA
+ * delivers the last expert of (t, tile). */
+__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
+  const int cols = p.fc2.strips * kStripRows, tiles_per_row = H / kMinTileCols;
+  __syncwarp();
+  int last_token = -1;
+  if (lane < unit.count) {
+    const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
+    int *count = &p.combine_count[t * tiles_per_row + tile];
+    __threadfence();
+    if (atomicAdd(count, 1) == r.token_experts[t] - 1) {
+      *count = 0; /* every arrival is in: the counter is ours to reset */
+      last_token = t;
+    }
+    __threadfence();
+  }
+  for (int i = 0; i < unit.count; ++i) {
+    const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
+    if (t < 0) continue;
+    for (int col = lane; col < cols; col += 32) {
+      const int64_t c = (int64_t)tile * cols + col;
+      float z = 0.0f;
+      for (int j = 0; j < K; ++j) {
+        const int e = r.pair_expert[t * K + j];
+        if (e < 0) { z = __int_as_float(0x7FC00000); break; } /* a bad id: the whole row is NaN */
+        const int hr = hidden_row(r, r.expert_slot[e], t);
+        z = fmaf(p.route_weights[t * p.rw_ld + j], __bfloat162float(__ldcg(p.y + (int64_t)hr * H + c)), z);
+      }
+      p.out[(int64_t)(p.tok0 + t) * p.out_ld + c] = __float2bfloat16_rn(z);
+    }
+  }
+}
+
+/* Epilogue warp e takes this CTA's tiles e, e + kEpilogueWarps, ... */
+__device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
+  const int e = (threadIdx.x >> 5) - kFirstEpilogueWarp, lane = threadIdx.x & 31;
+  uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
+  uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
+  const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
+  int q = 0;
+  for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, ++q) {
+    if (q % kEpilogueWarps != e) continue;
+    const TileRef ref = tile_ref(p, index, fc1_tiles);
+    const Unit unit = unit_info(r, ref.unit);
+    mbar_wait(&parked[e], (q / kEpilogueWarps) & 1);
+    if (ref.fc1) finish_fc1_tile(p, reduce, unit, ref);
+    else finish_fc2_tile(p, reduce, r, unit, ref);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&freed[e]);
+  }
+}
+
+/* ---- rows that no tile writes: bad ids (SPEC 7) ------------------------------------ */
+__device__ void write_nan_rows(const Params &p, const Routing &r) {
+  const int K = p.shape.top_k, H = p.shape.hidden, tid = threadIdx.x;
+  const __nv_bfloat16 nan = __ushort_as_bfloat16(kBf16Nan);
+  if (p.route_weights) {
+    for (int t = blockIdx.x; t < p.tokens; t += gridDim.x)
+      if (r.token_experts[t] == 0)
+        for (int c = tid; c < H; c += kConsumerThreads) p.out[(int64_t)(p.tok0 + t) * p.out_ld + c] = nan;
+  } else {
+    for (int q = blockIdx.x; q < p.tokens * K; q += gridDim.x)
+      if (r.pair_expert[q] < 0)
+        for (int c = tid; c < H; c += kConsumerThreads) p.out[(int64_t)(p.tok0 * K + q) * p.out_ld + c] = nan;
+  }
+}
+
+/* ---- x -> MXFP8 in scratch, split over the whole grid ------------------------------ */
+__device__ void quantize_x(const Params &p) {
+  const int kb_per_row = p.shape.hidden / kMxBlock, chunks = p.fc1.chunks(), chunk_kb = p.fc1.chunk_kb;
+  const int total = p.tokens * kb_per_row;
+  for (int b = blockIdx.x * kConsumerThreads + threadIdx.x; b < total; b += gridDim.x * kConsumerThreads) {
+    const int t = b / kb_per_row, kb = b % kb_per_row;
+    float v[kMxBlock];
+    load_bf16x32(p.x + t * p.x_ld + kb * kMxBlock, v);
+    quantize_store(v, false, p.xq + ((int64_t)t * p.shape.hidden + kb * kMxBlock) * 2,
+                   p.xs + ((int64_t)t * chunks + kb / chunk_kb) * chunk_kb + kb % chunk_kb);
+  }
+  named_barrier(kConsumerBarrier, kConsumerThreads);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&p.sync->xq_ready, 1);
+  }
+}
+
+/* ---- the kernel -------------------------------------------------------------------- */
+__global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const SmemLayout &L = p.smem;
+  const Routing r{reinterpret_cast<int16_t *>(smem + L.pair_expert), reinterpret_cast<uint32_t *>(smem + L.expert_slot),
+                  reinterpret_cast<unsigned long long *>(smem + L.token_mask), reinterpret_cast<uint16_t *>(smem + L.expert_id),
+                  reinterpret_cast<int *>(smem + L.expert_scan), reinterpret_cast<uint16_t *>(smem + L.unit_expert),
+                  smem + L.unit_group, reinterpret_cast<int *>(smem + L.token_experts),
+                  reinterpret_cast<int *>(smem + L.token_bad), reinterpret_cast<uint32_t *>(smem + L.chunk_mask),
+                  reinterpret_cast<int *>(smem + L.scan_tmp), reinterpret_cast<int *>(smem + L.totals)};
+  const int warp = threadIdx.x >> 5;
+  int *flags = reinterpret_cast<int *>(smem + L.flags);
+
+  /* 0. before the predecessor is done: nothing that reads its outputs */
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + 32); /* weights' expect_tx + 32 cp.async lanes */
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.empty) + s, kConsumerWarps);
+    }
+    for (int e = 0; e < kEpilogueWarps; ++e) {
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.parked) + e, kConsumerWarps);
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.freed) + e, 1);
+    }
+    fence_barrier_init();
+  }
+  routing_clear(r, p.shape.experts);
+  __syncthreads();
+  wait_for_predecessor();
+
+  /* 1. routing */
+  const bool reporter = blockIdx.x == 0;
+  route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, [&](int pair, int id) {
+    if (!reporter) return;
+    const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
+    atomicMax(&p.sync->fault, ~key);
+  });
+  const int units = r.totals[1];
+  const int fc1_tiles = units * p.fc1.tiles;
+  const int total_tiles = fc1_tiles + units * p.fc2.tiles;
+
+  if (warp == kWeightWarp) {
+    if ((threadIdx.x & 31) == 0) produce_weights(p, smem, r, total_tiles, fc1_tiles);
+  } else if (warp == kActivationWarp) {
+    produce_activations(p, smem, r, total_tiles, fc1_tiles);
+  } else if (warp >= kFirstEpilogueWarp) {
+    run_epilogues(p, smem, r, total_tiles, fc1_tiles);
+  } else {
+    /* 2. x -> MXFP8, and the rows no tile will write */
+    write_nan_rows(p, r);
+    quantize_x(p);
+    /* 3./4. the tiles: MMA, then hand the partial sums to an epilogue warp */
+    uint64_t *parked = reinterpret_cast<uint64_t *>(smem + L.parked);
+    uint64_t *freed = reinterpret_cast<uint64_t *>(smem + L.freed);
+    int it = 0, q = 0;
+    for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, ++q) {
+      const TileRef ref = tile_ref(p, index, fc1_tiles);
+      float acc[4];
+      consume_tile(p, smem, ref.fc1 ? p.fc1 : p.fc2, it, acc);
+      const int e = q % kEpilogueWarps;
+      mbar_wait(&freed[e], ((q / kEpilogueWarps) & 1) ^ 1);
+      park_partials(reinterpret_cast<float *>(smem + L.reduce) + e * kReduceFloats, acc);
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
+    }
+  }
+
+  /* 5. the last CTA out cleans the counters for the next call */
+  __syncthreads();
+  allow_dependents();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    flags[0] = atomicAdd(&p.sync->done, 1) == (int)gridDim.x - 1;
+    __threadfence();
+  }
+  __syncthreads();
+  if (flags[0]) {
+    for (int u = threadIdx.x; u < units; u += kThreads) {
+      p.fc1_done[u] = 0;
+      p.unit_ready[u] = 0;
+    }
+    if (threadIdx.x == 0) {
+      p.sync->xq_ready = 0;
+      p.sync->done = 0;
+    }
+  }
+}
+
+int launch_tokens_for(const kx_moe_shape &s) {
+  const int by_pairs = kMaxPairs / s.top_k;
+  return by_pairs < kMaxLaunchTokens ? by_pairs : kMaxLaunchTokens;
+}
+
+bool shape_ok(const kx_moe_shape &s) {
+  return s.hidden > 0 && s.hidden % 64 == 0 && s.inter > 0 && s.inter % 32 == 0 && s.top_k >= 1 &&
+         s.top_k <= 32 && s.experts >= 1 && s.experts <= 4096;
+}
+
+}  // namespace
+}  // namespace kx
+
+/* ---- host entry points ------------------------------------------------------------ */
+extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, kx_moe_config *config) {
+  using namespace kx;
+  *config = kx_moe_config{};
+  if (!shape_ok(*shape)) return cudaErrorInvalidValue;
+  const int tokens = launch_tokens_for(*shape);
+  const SmemLayout L = smem_layout(shape->experts, tokens * shape->top_k);
+  int sms = 0, max_smem = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (L.bytes > max_smem) return cudaErrorInvalidConfiguration;
+  err = cudaFuncSetAttribute(experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
+  if (err != cudaSuccess) return err;
+  /* the CTAs hand work to each other through counters: all must be resident at once */
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, experts_kernel, kThreads, L.bytes);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  config->grid = sms;
+  config->smem_bytes = L.bytes;
+  config->chunk_tokens = tokens;
+  return cudaSuccess;
+}
+
+extern "C" size_t kx_moe_scratch_bytes(const kx_moe_shape *shape, const kx_moe_config *config) {
+  return (size_t)kx::scratch_layout(*shape, config->chunk_tokens).total;
+}
+
+extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
+  using namespace kx;
+  const kx_moe_shape &s = a->shape;
+  if (!shape_ok(s) || a->config.grid < 1 || a->config.chunk_tokens < 1) return cudaErrorInvalidValue;
+  const ScratchLayout S = scratch_layout(s, a->config.chunk_tokens);
+  uint8_t *scratch = (uint8_t *)a->scratch;
+  Params p{};
+  p.shape = s;
+  p.fc1 = fc1_shape(s.experts, s.hidden, s.inter);
+  p.fc2 = fc2_shape(s.experts, s.hidden, s.inter);
+  p.smem = smem_layout(s.experts, a->config.chunk_tokens * s.top_k);
+  p.packed = (const uint8_t *)a->packed;
+  p.out = (__nv_bfloat16 *)a->out;
+  p.out_ld = a->out_row_stride;
+  p.beta = a->beta;
+  p.linear_beta = a->linear_beta;
+  p.hidden_floor = a->hidden_floor != 0;
+  p.sync = (SyncWords *)(scratch + S.sync);
+  p.fc1_done = (int *)(scratch + S.fc1_done);
+  p.unit_ready = (int *)(scratch + S.unit_ready);
+  p.combine_count = (int *)(scratch + S.combine_count);
+  p.xq = scratch + S.xq;
+  p.xs = (float *)(scratch + S.xs);
+  p.h = (float *)(scratch + S.h);
+  p.hq = scratch + S.hq;
+  p.hs = (float *)(scratch + S.hs);
+  p.y = (__nv_bfloat16 *)(scratch + S.y);
+  p.rw_ld = a->weights_row_stride;
+  p.x_ld = a->x_row_stride;
+  p.ids_ld = a->ids_row_stride;
+
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(a->config.grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = p.smem.bytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  for (int tok0 = 0; tok0 < a->batch; tok0 += a->config.chunk_tokens) {
+    p.tok0 = tok0;
+    p.tokens = a->batch - tok0 < a->config.chunk_tokens ? a->batch - tok0 : a->config.chunk_tokens;
+    p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
+    p.ids = a->ids + tok0 * a->ids_row_stride;
+    p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
+    cudaError_t err = cudaLaunchKernelEx(&cfg, experts_kernel, p);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+extern "C" cudaError_t kx_moe_read_fault(void *scratch, const kx_moe_config *config, const kx_moe_shape *shape,
+                                         kx_moe_fault *fault, cudaStream_t stream) {
+  using namespace kx;
+  *fault = kx_moe_fault{};
+  const ScratchLayout S = scratch_layout(*shape, config->chunk_tokens);
+  unsigned long long *word = &((SyncWords *)((uint8_t *)scratch + S.sync))->fault;
+  unsigned long long inverted = 0;
+  cudaError_t err = cudaMemcpyAsync(&inverted, word, sizeof inverted, cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) return err;
+  if (inverted == 0) return cudaSuccess;
+  const unsigned long long key = ~inverted;
+  const int pair = (int)(key >> 32);
+  fault->bad = 1;
+  fault->token = pair / shape->top_k;
+  fault->slot = pair % shape->top_k;
+  fault->id = (int32_t)(uint32_t)(key & 0xFFFFFFFFu);
+  err = cudaMemsetAsync(word, 0, sizeof *word, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  return err;
+}

@@ -1,0 +1,96 @@
+/* moe_layout.cuh: the kernel layout of the expert weights, shared by the packer and
+ * the experts kernel (host and device).
+ *
+ * Both GEMMs of an expert are cut the same way. A "unit" is 16 weight rows x 32 k
+ * (the A operands of two MMA m16n8k16, one E8M0 scale per row): 256 bytes of FP4
+ * stored so that lane l's 8 bytes at offset 8 l are exactly its fragments (decode_fp4x8
+ * turns each word into one MMA's four f16x2 registers), followed elsewhere by 16 scale bytes
+ * (row g at byte 2g, row g+8 at byte 2g+1, so each lane reads one u16).
+ * A "strip" is 16 rows; a "tile" is `strips` strips over all of K; a "chunk" is the
+ * part of a tile one pipeline stage carries: chunk_kb k-blocks of every strip,
+ * weights [strip][kb][256 B] then scales [strip][kb][16 B], one contiguous bulk copy.
+ * A full chunk is 64 units (17 KB): the copy engine's cost is per copy, and measured
+ * on an H200 one CTA per SM streams 2.2 TB/s in 4 KB copies, 4.3 in 8 KB, 4.65 in 16 KB.
+ *
+ *   FC1 tile: strip 0 = gate rows 16f.., strip 1 = up rows I+16f..  (SiTU needs both)
+ *   FC2 tile: 4 strips (8 when I <= 256 and H % 128 == 0, so a tile still makes a
+ *             large copy) = output rows 16*strips*f ..
+ * Every chunk shape carries at most 64 units, so the 8 consumer warps split every stage
+ * evenly.
+ * The packed bytes equal the standard layout's (no padding): E * (2I*H/2 + 2I*H/32
+ * + H*I/2 + H*I/32).
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define KX_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define KX_HOST_DEVICE static inline
+#endif
+
+namespace kx {
+
+constexpr int kStripRows = 16;
+constexpr int kUnitWeightBytes = kStripRows * 32 / 2; /* 256 */
+constexpr int kUnitScaleBytes = kStripRows;           /* 16 */
+constexpr int kUnitBytes = kUnitWeightBytes + kUnitScaleBytes;
+constexpr int kUnitsPerChunk = 64;
+constexpr int kFc1Strips = 2, kFc1ChunkKb = kUnitsPerChunk / kFc1Strips; /* 32 k-blocks */
+constexpr int kMaxChunkKb = kFc1ChunkKb;
+constexpr int kChunkMaxBytes = kUnitsPerChunk * kUnitBytes;
+static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+
+/* One GEMM of the layer in tile terms. */
+struct PhaseShape {
+  int strips;      /* strips per tile */
+  int chunk_kb;    /* k-blocks per full chunk */
+  int k_blocks;    /* K / 32 */
+  int tiles;       /* tiles per expert */
+  int64_t expert_bytes;
+  int64_t base;    /* offset of this phase's region in the packed buffer */
+
+  KX_HOST_DEVICE int chunks() const { return (k_blocks + chunk_kb - 1) / chunk_kb; }
+  KX_HOST_DEVICE int chunk_k_blocks(int c) const {
+    int left = k_blocks - c * chunk_kb;
+    return left < chunk_kb ? left : chunk_kb;
+  }
+  KX_HOST_DEVICE int64_t tile_bytes() const { return (int64_t)strips * k_blocks * kUnitBytes; }
+  /* Byte offset of chunk c of tile f of expert e. */
+  KX_HOST_DEVICE int64_t chunk_offset(int e, int f, int c) const {
+    return base + e * expert_bytes + f * tile_bytes() + (int64_t)strips * c * chunk_kb * kUnitBytes;
+  }
+  KX_HOST_DEVICE uint32_t chunk_bytes(int c) const {
+    return (uint32_t)(strips * chunk_k_blocks(c) * kUnitBytes);
+  }
+};
+
+KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
+  PhaseShape p;
+  p.strips = kFc1Strips;
+  p.chunk_kb = kFc1ChunkKb;
+  p.k_blocks = hidden / 32;
+  p.tiles = inter / kStripRows;
+  p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
+  p.base = 0;
+  (void)experts;
+  return p;
+}
+
+KX_HOST_DEVICE PhaseShape fc2_shape(int experts, int hidden, int inter) {
+  PhaseShape p;
+  p.strips = (inter <= 256 && hidden % 128 == 0) ? 8 : 4;
+  p.chunk_kb = kUnitsPerChunk / p.strips;
+  p.k_blocks = inter / 32;
+  p.tiles = hidden / (p.strips * kStripRows);
+  p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
+  p.base = (int64_t)experts * fc1_shape(experts, hidden, inter).expert_bytes;
+  return p;
+}
+
+/* Weight row (in the standard layout's matrix) of strip s of tile f. */
+KX_HOST_DEVICE int fc1_row(int inter, int f, int s) { return (s == 0 ? 0 : inter) + f * kStripRows; }
+KX_HOST_DEVICE int fc2_row(int strips, int f, int s) { return (f * strips + s) * kStripRows; }
+
+}  // namespace kx

@@ -1,0 +1,131 @@
+/* mx.cuh: MX formats on the device (SPEC 2) and the SiTU activation (SPEC 3).
+ *
+ * Scales are E8M0 bytes s meaning 2^(s-127). Quantizing a block of 32 fp32 values:
+ *   rceil: e = smallest integer with amax <= 448 * 2^e;  floor: e = floor(log2 amax) - 8;
+ *   both clamped to [-127, 127], amax = 0 -> -127; elements e4m3(v * 2^-e), round to
+ *   nearest even, saturating. Any non-finite value makes the block NaN (scale 0xFF).
+ * The exponent is read off the float's bits, never through log2f/exp2f, so host and
+ * device agree bit for bit.
+ *
+ * FP4 decode: Hopper has no e2m1 MMA, and its e4m3 mma.sync is emulated (every
+ * operand byte goes through a conversion unit that runs at a fraction of ALU rate), so
+ * weights are widened straight to f16 in registers with plain bit operations. An e2m1
+ * nibble s.e1e0.m placed as s at bit 15 and e1e0m at bits 11..9 of a half is the f16
+ * with the same digits, 2^-14 times the e2m1 value (e2m1 0.5 becomes an f16 subnormal).
+ * Activations travel as the f16 value of their e4m3 code (exact), scales kept apart.
+ * The kernels multiply the 2^14 back once per output, after the sums.
+ */
+#pragma once
+
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace kx {
+
+constexpr int kMxBlock = 32;           /* elements sharing one scale */
+constexpr float kE4m3Max = 448.0f;
+constexpr int kE8m0Bias = 127;
+constexpr uint8_t kE8m0Nan = 0xFF;
+constexpr uint8_t kE4m3Nan = 0x7F;
+constexpr float kFp4AsF16Gain = 16384.0f; /* 2^14: undoes the placement in decode_fp4x8 */
+
+/* 2^(s-127) as fp32 with s = 0 (a subnormal) and s = 0xFF (NaN) exact. */
+__device__ __forceinline__ float e8m0_to_float(uint32_t s) {
+  uint32_t bits = s << 23;
+  if (s == 0) bits = 0x00400000u;
+  if (s == kE8m0Nan) bits = 0x7FC00000u;
+  return __uint_as_float(bits);
+}
+
+/* The same for weight scales, which the packer has made safe for a bare shift: a
+ * 0xFF (NaN) block has zero elements, so 0 * inf = NaN still reaches every sum it is
+ * part of; a 0 byte (2^-127, elements below 4e-38) reads as 0. */
+__device__ __forceinline__ float e8m0_to_float_nonzero(uint32_t s) { return __uint_as_float(s << 23); }
+
+/* 2^p for p in [-127, 127], exact. */
+__device__ __forceinline__ float exp2_exact(int p) {
+  return p >= -126 ? __uint_as_float((uint32_t)(p + kE8m0Bias) << 23) : __uint_as_float(0x00400000u);
+}
+
+/* floor(log2(a)) and the 23-bit fraction of a normalized, for finite a > 0. */
+__device__ __forceinline__ void split_exponent(float a, int *k, uint32_t *frac) {
+  uint32_t bits = __float_as_uint(a);
+  int biased = (int)(bits >> 23);
+  uint32_t man = bits & 0x7FFFFFu;
+  if (biased == 0) { /* subnormal: value = man * 2^-149 */
+    int top = 31 - __clz(man);
+    *k = top - 149;
+    *frac = (man << (23 - top)) & 0x7FFFFFu;
+  } else {
+    *k = biased - kE8m0Bias;
+    *frac = man;
+  }
+}
+
+/* The block exponent e of SPEC 2 for this amax (finite, >= 0). */
+__device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
+  if (amax == 0.0f) return -kE8m0Bias;
+  int k;
+  uint32_t frac;
+  split_exponent(amax, &k, &frac);
+  /* 448 = 1.75 * 2^8: amax = 2^k * (1 + f) fits 448 * 2^(k-8) iff f <= 0.75 */
+  const uint32_t kFracOf1p75 = 0x600000u;
+  int e = k - 8 + ((!floor_mode && frac > kFracOf1p75) ? 1 : 0);
+  return e < -kE8m0Bias ? -kE8m0Bias : (e > kE8m0Bias ? kE8m0Bias : e);
+}
+
+/* Four e4m3 bytes (little end = first) of v[0..3] * mul, RNE, saturating. */
+__device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v3, float mul) {
+  uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(v0 * mul, v1 * mul), __NV_SATFINITE, __NV_E4M3);
+  uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(v2 * mul, v3 * mul), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+/* Quantizes one block of 32 values: q receives 8 words of 4 e4m3 bytes each.
+ * Returns the scale byte. */
+__device__ __forceinline__ uint8_t quantize_block32(const float (&v)[kMxBlock], bool floor_mode,
+                                                    uint32_t (&q)[kMxBlock / 4]) {
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < kMxBlock; ++i) {
+    finite &= isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  if (!finite) {
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 4; ++i) q[i] = 0x7F7F7F7Fu;
+    return kE8m0Nan;
+  }
+  int e = mxfp8_exponent(amax, floor_mode);
+  float mul = exp2_exact(-e);
+#pragma unroll
+  for (int i = 0; i < kMxBlock / 4; ++i) q[i] = e4m3x4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3], mul);
+  return (uint8_t)(e + kE8m0Bias);
+}
+
+/* One packed word holds 8 e2m1 nibbles for four f16x2 MMA registers: register i takes
+ * nibble 3-i (low half) and nibble 7-i (high half), see pack.cu. */
+__device__ __forceinline__ void decode_fp4x8(uint32_t w, uint32_t (&reg)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t x = w << (4 * i);
+    reg[i] = (x & 0x80008000u) | ((x >> 3) & 0x0E000E00u);
+  }
+}
+
+/* The f16 value of each e4m3 byte in q (exact), as f16x2 words: low byte first. */
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two_bytes, __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+/* SiTU (SPEC 3): silu(cap(gate, beta)) * cap(up, linear_beta), cap(v, c) = c tanh(v / c). */
+__device__ __forceinline__ float soft_cap(float v, float c) { return isinf(c) ? v : c * tanhf(v / c); }
+
+__device__ __forceinline__ float situ(float gate, float up, float beta, float linear_beta) {
+  float z = soft_cap(gate, beta);
+  return z / (1.0f + expf(-z)) * soft_cap(up, linear_beta);
+}
+
+}  // namespace kx

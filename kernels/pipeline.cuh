@@ -1,0 +1,121 @@
+/* pipeline.cuh: the few sm_90 primitives the kernels are built from, written once.
+ *
+ * - mbarrier ring: a producer warp fills shared-memory stages with bulk copies
+ *   (cp.async.bulk, completion counted in bytes on the stage's "full" barrier);
+ *   consumer warps arrive on the stage's "empty" barrier when done with it.
+ * - cross-CTA hand-off through global counters with release/acquire at GPU scope.
+ * - programmatic dependent launch (griddepcontrol).
+ */
+#pragma once
+
+#include <stdint.h>
+
+namespace kx {
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* ---- mbarriers ---- */
+__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals));
+}
+
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;"
+               ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+/* Blocks until the phase with this parity has completed. */
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t addr = smem_addr(bar);
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}"
+      ::"r"(addr), "r"(parity) : "memory");
+}
+
+/* ---- bulk copies global -> shared, counted on an mbarrier ---- */
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+/* bytes % 16 == 0, both addresses 16-byte aligned. */
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+/* The same for data read once (weights): ask L2 to drop it first. */
+__device__ __forceinline__ void bulk_copy_streaming(void *dst, const void *src, uint32_t bytes,
+                                                    uint64_t *bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;"
+      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+
+/* 16 bytes global -> shared through the load/store unit (no copy-engine slot). */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+/* The barrier counts one arrival of this thread once its cp.async copies so far land
+ * (noinc: that arrival is part of the count the barrier was initialized with). */
+__device__ __forceinline__ void cp_async_arrive(uint64_t *bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+/* Orders this thread's generic-proxy global accesses with later bulk copies (async
+ * proxy): data written by ordinary stores elsewhere and acquired here is then what the
+ * copy engine reads. */
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* ---- cross-CTA counters (GPU scope) ---- */
+__device__ __forceinline__ int load_acquire(const int *p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(int *p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+/* Spins until *p >= target. Data values are never used as flags (SPEC 7), only counters. */
+__device__ __forceinline__ void wait_at_least(const int *p, int target) {
+  while (load_acquire(p) < target) __nanosleep(64);
+}
+
+/* ---- named barrier among a subset of warps (id 0 is __syncthreads) ---- */
+__device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* ---- programmatic dependent launch ---- */
+__device__ __forceinline__ void wait_for_predecessor() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+__device__ __forceinline__ void allow_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+}  // namespace kx

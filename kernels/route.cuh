@@ -1,0 +1,211 @@
+/* route.cuh: per-CTA routing of one launch's (token, slot) pairs (SPEC 3, 7).
+ *
+ * Every CTA reads the ids (at most 1024 pairs, L2-resident) and builds the same tables
+ * in its own shared memory, so no routing kernel and no grid-wide barrier is needed
+ * before weights can stream (a separate routing launch costs more than the whole B=1
+ * floor). Everything is deterministic: the expert order is the order of first
+ * appearance in the pairs, and the tokens of an expert are in ascending token order
+ * (a 64-bit token mask per expert), so all CTAs agree on every row index.
+ *
+ *   pair_expert[p]     expert of pair p = t * K + j, or -1 for an id outside [0, E)
+ *   expert_slot[e]     compact index c of expert e (first its first pair, see below)
+ *   expert_id[c], token_mask[c]
+ *   expert_scan[c]     (first hidden row << 16) | first unit   (exclusive prefix sums)
+ *   unit_expert[u], unit_group[u]: unit u = tokens 8g..8g+7 of expert c
+ *   token_experts[t]   distinct valid experts of token t; token_bad[t]: t has a bad id
+ * A token that repeats an expert in several slots is computed once (one hidden row);
+ * the output is written to each of those slots.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#include "moe_layout.cuh"
+
+namespace kx {
+
+constexpr int kRouteThreads = 448; /* the whole CTA routes (experts.cu: 14 warps) */
+constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kMaxPairs = 1024;
+constexpr int kMaxLaunchTokens = 64; /* token masks are 64-bit */
+constexpr int kGroupTokens = 8;      /* tokens per unit: one MMA n-tile */
+constexpr uint32_t kNoPair = 0xFFFFFFFFu;
+
+KX_HOST_DEVICE int max_units_for(int pairs) { return pairs + pairs / kGroupTokens + 1; }
+
+struct Routing {
+  int16_t *pair_expert;
+  uint32_t *expert_slot;
+  unsigned long long *token_mask;
+  uint16_t *expert_id;
+  int *expert_scan;
+  uint16_t *unit_expert;
+  uint8_t *unit_group;
+  int *token_experts;
+  int *token_bad;
+  uint32_t *chunk_mask;
+  int *scan_tmp;
+  int *totals; /* [0] experts, [1] units, [2] hidden rows */
+};
+
+/* Tokens of unit u, its expert and where its hidden rows start. */
+struct Unit {
+  int expert;      /* global expert id */
+  int compact;     /* compact index c */
+  int count;       /* tokens in this unit, 1..8 */
+  int first_rank;  /* rank of its first token within the expert: 8 * group */
+  int row0;        /* hidden row of its first token */
+  unsigned long long mask;
+};
+
+__device__ __forceinline__ Unit unit_info(const Routing &r, int u) {
+  Unit x;
+  x.compact = r.unit_expert[u];
+  x.expert = r.expert_id[x.compact];
+  x.mask = r.token_mask[x.compact];
+  x.first_rank = kGroupTokens * r.unit_group[u];
+  int n = __popcll(x.mask) - x.first_rank;
+  x.count = n < kGroupTokens ? n : kGroupTokens;
+  x.row0 = (r.expert_scan[x.compact] >> 16) + x.first_rank;
+  return x;
+}
+
+/* Position of the n-th set bit (n counted from 0) of mask. */
+__device__ __forceinline__ int nth_set_bit(unsigned long long mask, int n) {
+  for (int i = 0; i < n; ++i) mask &= mask - 1;
+  return __ffsll((long long)mask) - 1;
+}
+
+/* Hidden row of (token t, compact expert c). */
+__device__ __forceinline__ int hidden_row(const Routing &r, int c, int t) {
+  unsigned long long below = (t == 0) ? 0ull : (r.token_mask[c] & ((1ull << t) - 1));
+  return (r.expert_scan[c] >> 16) + __popcll(below);
+}
+
+/* In-place exclusive prefix sum of v[0..n) by the whole CTA; returns the total. */
+__device__ int block_exclusive_scan(int *v, int n, int *warp_tmp) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + kRouteThreads - 1) / kRouteThreads;
+  const int begin = min(tid * per, n), end = min(begin + per, n);
+  int local = 0;
+  for (int i = begin; i < end; ++i) local += v[i];
+  int incl = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    int other = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += other;
+  }
+  if (lane == 31) warp_tmp[warp] = incl;
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int w = 0; w < kRouteWarps; ++w) { int s = warp_tmp[w]; warp_tmp[w] = run; run += s; }
+    warp_tmp[31] = run;
+  }
+  __syncthreads();
+  int run = warp_tmp[warp] + incl - local;
+  for (int i = begin; i < end; ++i) { int s = v[i]; v[i] = run; run += s; }
+  int total = warp_tmp[31];
+  __syncthreads();
+  return total;
+}
+
+/* Before the predecessor wait: clear what the atomics below build on. */
+__device__ void routing_clear(const Routing &r, int experts) {
+  for (int e = threadIdx.x; e < experts; e += kRouteThreads) r.expert_slot[e] = kNoPair;
+  for (int t = threadIdx.x; t < kMaxLaunchTokens; t += kRouteThreads) {
+    r.token_experts[t] = 0;
+    r.token_bad[t] = 0;
+  }
+}
+
+/* Builds the tables from ids rows tok0.. tok0+tokens-1. Bad ids are reported through
+ * report_bad(pair index within this launch, id) by CTA 0 only. */
+template <typename ReportBad>
+__device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld, int tokens,
+                            int top_k, int experts, ReportBad report_bad) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs = tokens * top_k;
+
+  for (int p = tid; p < pairs; p += kRouteThreads) {
+    const int t = p / top_k, j = p % top_k;
+    const int id = ids[t * ids_ld + j];
+    const bool valid = id >= 0 && id < experts;
+    r.pair_expert[p] = valid ? (int16_t)id : (int16_t)-1;
+    if (valid) {
+      atomicMin(&r.expert_slot[id], (uint32_t)p);
+    } else {
+      r.token_bad[t] = 1;
+      report_bad(p, id);
+    }
+  }
+  __syncthreads();
+
+  /* first pairs of each expert, in pair order: one ballot per 32 pairs */
+  const int chunks = (pairs + 31) / 32;
+  for (int ch = warp; ch < chunks; ch += kRouteWarps) {
+    const int p = ch * 32 + lane;
+    const int e = p < pairs ? r.pair_expert[p] : -1;
+    const bool first = e >= 0 && r.expert_slot[e] == (uint32_t)p;
+    const uint32_t mask = __ballot_sync(0xFFFFFFFFu, first);
+    if (lane == 0) r.chunk_mask[ch] = mask;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int count = lane < chunks ? __popc(r.chunk_mask[lane]) : 0;
+    int incl = count;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int other = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += other;
+    }
+    r.scan_tmp[lane] = incl - count;
+    if (lane == 31) r.totals[0] = incl;
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += kRouteThreads) {
+    const uint32_t mask = r.chunk_mask[p / 32], bit = 1u << (p % 32);
+    if (mask & bit) {
+      const int c = r.scan_tmp[p / 32] + __popc(mask & (bit - 1));
+      const int e = r.pair_expert[p];
+      r.expert_id[c] = (uint16_t)e;
+      r.token_mask[c] = 0ull;
+      r.expert_slot[e] = (uint32_t)c; /* from here on: the compact index */
+    }
+  }
+  __syncthreads();
+
+  for (int p = tid; p < pairs; p += kRouteThreads) {
+    const int e = r.pair_expert[p];
+    if (e < 0) continue;
+    const int t = p / top_k, j = p % top_k;
+    atomicOr(&r.token_mask[r.expert_slot[e]], 1ull << t);
+    bool repeat = false;
+    for (int jj = 0; jj < j; ++jj) repeat |= r.pair_expert[t * top_k + jj] == e;
+    if (!repeat) atomicAdd(&r.token_experts[t], 1);
+  }
+  __syncthreads();
+
+  const int n_experts = r.totals[0];
+  for (int c = tid; c < n_experts; c += kRouteThreads) {
+    const int n = __popcll(r.token_mask[c]);
+    r.expert_scan[c] = (n << 16) | ((n + kGroupTokens - 1) / kGroupTokens);
+  }
+  __syncthreads();
+  const int packed_total = block_exclusive_scan(r.expert_scan, n_experts, r.scan_tmp);
+  if (tid == 0) {
+    r.totals[1] = packed_total & 0xFFFF;
+    r.totals[2] = packed_total >> 16;
+  }
+  for (int c = tid; c < n_experts; c += kRouteThreads) {
+    const int first_unit = r.expert_scan[c] & 0xFFFF;
+    const int units = (__popcll(r.token_mask[c]) + kGroupTokens - 1) / kGroupTokens;
+    for (int g = 0; g < units; ++g) {
+      r.unit_expert[first_unit + g] = (uint16_t)c;
+      r.unit_group[first_unit + g] = (uint8_t)g;
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace kx

@@ -1,0 +1,50 @@
+"""Glue shared by the Python layer: loading the C core, spotting torch tensors
+without importing torch, and resolving the CUDA stream argument."""
+
+from __future__ import annotations
+
+import sys
+
+try:
+    from . import _C  # noqa: F401  (re-exported by the package)
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError(
+        "kimi_experts._C (the C extension) is not built or does not load: "
+        f"{exc}. Build it from the repository root with `make demo` (or "
+        "`python -m pip install --no-build-isolation -e .`)."
+    ) from exc
+
+
+def is_torch(obj) -> bool:
+    """True for torch tensors (and subclasses such as Parameter), without importing torch."""
+    return type(obj).__module__.startswith("torch")
+
+
+def is_cuda_torch(obj) -> bool:
+    return is_torch(obj) and obj.is_cuda
+
+
+def resolve_stream(stream, *tensors) -> int:
+    """The cudaStream_t handle (an int) that CUDA work runs on.
+
+    ``stream`` may be an int handle, an object with ``.cuda_stream`` (torch.cuda.Stream)
+    or ``.ptr`` (cupy.cuda.Stream), or None: then PyTorch's current stream on the
+    device of the first CUDA torch tensor among ``tensors``, else 0 (the legacy default
+    stream).
+    """
+    if stream is None:
+        for t in tensors:
+            if is_cuda_torch(t):
+                torch = sys.modules["torch"]  # imported: t is a torch tensor
+                return torch.cuda.current_stream(t.device).cuda_stream
+        return 0
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    for attr in ("cuda_stream", "ptr"):
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, int):
+            return handle
+    raise TypeError(
+        "stream: expected an int cudaStream_t handle, a torch.cuda.Stream (.cuda_stream) "
+        f"or a cupy.cuda.Stream (.ptr), got {type(stream).__name__}"
+    )

@@ -1,0 +1,397 @@
+"""The plain-PyTorch reference of SPEC 2-4: the oracle the tests compare against.
+
+Written from the specification alone, independently of the C backend and the CUDA
+kernels, and kept deliberately simple: every format conversion is a table lookup or an
+exact float64 computation, so the format functions are bit-exact by construction.
+
+Importing ``kimi_experts`` never imports this module (it needs PyTorch); tests,
+benchmarks and the demo import it explicitly::
+
+    from kimi_experts import reference as ref
+    q, s = ref.quantize_mxfp8(x)                       # x float [..., K]
+    rows = ref.moe_reference(w13, s13, w2, s2, x, ids)  # float64 [B*K_top, H]
+    out_like_library = ref.to_bf16(rows)
+
+Choices the specification leaves open, and what this reference does:
+
+- MXFP8 elements of a non-finite block are the e4m3 NaN 0x7F (S.1111.111 with S = 0);
+  consumers only rely on "scale 0xFF, elements NaN". MXFP4 elements of a non-finite
+  block are 0 (the scale 0xFF alone carries the NaN).
+- Zero keeps its sign: an element that rounds to zero from a negative value (and -0.0
+  itself) is encoded as negative zero (e4m3 0x80, e2m1 nibble 0x8), as the hardware
+  ``cvt.rn.satfinite`` conversions do.
+- The hidden activation h (SPEC 3 step 3) is rounded to float32 before it is quantized,
+  whatever ``dtype`` the reference computes in: the library computes h in fp32, so the
+  MXFP8 scale and element choices are made on the same fp32 values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "E4M3_MAX",
+    "E2M1_MAX",
+    "MX_BLOCK",
+    "e4m3_to_float",
+    "float_to_e4m3",
+    "e2m1_to_float",
+    "float_to_e2m1",
+    "e8m0_to_float",
+    "mxfp8_scale_exponent",
+    "mxfp4_scale_exponent",
+    "quantize_mxfp8",
+    "quantize_mxfp4",
+    "dequantize_mxfp8",
+    "dequantize_mxfp4",
+    "dequantize",
+    "situ",
+    "moe_reference",
+    "combine_rows",
+    "gemm_reference",
+    "to_bf16",
+    "bf16_bits",
+]
+
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E4M3_NAN = 0x7F
+E8M0_NAN = 0xFF
+SCALE_EXP_MIN, SCALE_EXP_MAX = -127, 127
+SCALE_BIAS = 127
+
+
+# --------------------------------------------------------------------------- tables
+def _e4m3_positive_values() -> list[float]:
+    """Values of the e4m3fn codes 0x00..0x7F (0x7F is NaN), from the bit layout."""
+    vals = []
+    for code in range(128):
+        exp, man = code >> 3, code & 7
+        if code == 0x7F:
+            vals.append(math.nan)
+        elif exp == 0:  # subnormal: man/8 * 2^(1-7)
+            vals.append(man / 8.0 * 2.0**-6)
+        else:
+            vals.append((1.0 + man / 8.0) * 2.0 ** (exp - 7))
+    return vals
+
+
+_E4M3_POS = _e4m3_positive_values()
+_E2M1_POS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+# Full 256 / 16 entry decode tables (sign in the top bit).
+_E4M3_TABLE = torch.tensor(_E4M3_POS + [-v for v in _E4M3_POS], dtype=torch.float64)
+_E2M1_TABLE = torch.tensor(_E2M1_POS + [-v for v in _E2M1_POS], dtype=torch.float64)
+
+
+def _table(t: torch.Tensor, device) -> torch.Tensor:
+    return t.to(device)
+
+
+# --------------------------------------------------------------------------- scalars
+def e4m3_to_float(q) -> torch.Tensor:
+    """uint8 e4m3fn bits -> float32 values (0x7F / 0xFF -> NaN)."""
+    q = torch.as_tensor(q)
+    return _table(_E4M3_TABLE, q.device)[q.long()].float()
+
+
+def e2m1_to_float(nibbles) -> torch.Tensor:
+    """4-bit e2m1 codes (as integers 0..15) -> float32 values."""
+    n = torch.as_tensor(nibbles)
+    return _table(_E2M1_TABLE, n.device)[n.long() & 0xF].float()
+
+
+def e8m0_to_float(s) -> torch.Tensor:
+    """E8M0 scale bytes -> float64 2^(s-127); 0xFF -> NaN."""
+    s = torch.as_tensor(s)
+    e = s.long() - SCALE_BIAS
+    out = torch.ldexp(torch.ones(s.shape, dtype=torch.float64, device=s.device), e.double())
+    return torch.where(s.long() == E8M0_NAN, torch.full_like(out, math.nan), out)
+
+
+def _round_to_grid(mag: torch.Tensor, grid: list[float]) -> torch.Tensor:
+    """Round non-negative float64 magnitudes (already clamped to the grid's max) to
+    the code of the nearest grid value, ties to the even code. Exact: the midpoints of
+    neighbouring e4m3/e2m1 values are exact in float64."""
+    g = torch.tensor(grid, dtype=torch.float64, device=mag.device)
+    mids = (g[:-1] + g[1:]) / 2
+    # idx = number of midpoints strictly below mag: the nearest code unless mag sits
+    # exactly on a midpoint, where idx is the lower of the two neighbours.
+    idx = torch.searchsorted(mids, mag.contiguous(), right=False)
+    on_mid = (idx < len(mids)) & (mids[idx.clamp(max=len(mids) - 1)] == mag)
+    # tie: choose the even code of (idx, idx + 1)
+    idx = torch.where(on_mid & (idx % 2 == 1), idx + 1, idx)
+    return idx
+
+
+def float_to_e4m3(v) -> torch.Tensor:
+    """float -> e4m3fn bits (uint8): round to nearest even, saturate to +-448
+    (cvt.rn.satfinite), NaN -> 0x7F, sign of zero kept. +-Inf saturates to +-448."""
+    v = torch.as_tensor(v)
+    v64 = v.double()
+    sign = torch.signbit(v64)
+    mag = v64.abs().clamp(max=E4M3_MAX)
+    nan = torch.isnan(v64)
+    mag = torch.where(nan, torch.zeros_like(mag), mag)
+    code = _round_to_grid(mag, _E4M3_POS[:0x7F])  # finite codes 0x00..0x7E
+    code = code | (sign.long() << 7)
+    code = torch.where(nan, torch.full_like(code, E4M3_NAN), code)
+    return code.to(torch.uint8)
+
+
+def float_to_e2m1(v) -> torch.Tensor:
+    """float -> e2m1 4-bit codes (uint8 0..15): RNE onto {0,.5,1,1.5,2,3,4,6},
+    saturating at 6; sign of zero kept. NaN is not defined for e2m1 (-> 0)."""
+    v = torch.as_tensor(v)
+    v64 = v.double()
+    sign = torch.signbit(v64)
+    nan = torch.isnan(v64)
+    mag = torch.where(nan, torch.zeros_like(v64), v64.abs().clamp(max=E2M1_MAX))
+    code = _round_to_grid(mag, _E2M1_POS) | (sign.long() << 3)
+    code = torch.where(nan, torch.zeros_like(code), code)
+    return code.to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- scales
+def _ceil_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Smallest integer e with amax <= top * 2^e (amax > 0, finite, float64). Exact."""
+    # frexp: amax = m * 2^p, m in [0.5, 1); top * 2^e >= amax  <=>  e >= log2(amax/top)
+    guess = torch.ceil(torch.log2(amax / top)).long()
+    lo = torch.ldexp(torch.full_like(amax, top), (guess - 1).double())
+    guess = torch.where(lo >= amax, guess - 1, guess)
+    hi = torch.ldexp(torch.full_like(amax, top), guess.double())
+    guess = torch.where(hi < amax, guess + 1, guess)
+    return guess
+
+
+def _block_amax(v64: torch.Tensor) -> torch.Tensor:
+    return v64.abs().amax(dim=-1)
+
+
+def mxfp8_scale_exponent(amax, scale: str = "rceil") -> torch.Tensor:
+    """Unclamped-then-clamped scale exponent e of SPEC 2 for finite amax (int64)."""
+    amax = torch.as_tensor(amax).double()
+    pos = amax > 0
+    safe = torch.where(pos, amax, torch.ones_like(amax))
+    if scale == "rceil":
+        e = _ceil_exponent(safe, E4M3_MAX)
+    elif scale == "floor":
+        _, p = torch.frexp(safe)  # safe = m * 2^p, m in [0.5, 1): floor(log2) = p - 1
+        e = p.long() - 1 - 8
+    else:
+        raise ValueError(f"scale: expected 'rceil' or 'floor', got {scale!r}")
+    e = torch.where(pos, e, torch.full_like(e, SCALE_EXP_MIN))
+    return e.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
+
+
+def mxfp4_scale_exponent(amax) -> torch.Tensor:
+    """Smallest e with amax <= 6 * 2^e, clamped to [-127, 127]; amax 0 -> -127."""
+    amax = torch.as_tensor(amax).double()
+    pos = amax > 0
+    safe = torch.where(pos, amax, torch.ones_like(amax))
+    e = _ceil_exponent(safe, E2M1_MAX)
+    e = torch.where(pos, e, torch.full_like(e, SCALE_EXP_MIN))
+    return e.clamp(SCALE_EXP_MIN, SCALE_EXP_MAX)
+
+
+def _blocks(x) -> tuple[torch.Tensor, tuple[int, ...]]:
+    x = torch.as_tensor(x)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"x: expected a floating tensor, got {x.dtype}")
+    k = x.shape[-1]
+    if k % MX_BLOCK:
+        raise ValueError(f"x: last dimension {k} is not a multiple of {MX_BLOCK}")
+    # Widen to fp32 exactly first (bf16/fp16 -> fp32 is exact), then to float64 (exact).
+    v = x.float().double()
+    return v.reshape(*x.shape[:-1], k // MX_BLOCK, MX_BLOCK), tuple(x.shape)
+
+
+# --------------------------------------------------------------------------- quantizers
+def quantize_mxfp8(x, scale: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC 2 MXFP8: x float [..., K] -> (q uint8 [..., K] e4m3 bits,
+    scales uint8 [..., K/32] E8M0). A block with NaN/Inf gets scale 0xFF and NaN
+    elements (0x7F)."""
+    v, shape = _blocks(x)
+    finite = torch.isfinite(v).all(dim=-1)
+    amax = _block_amax(torch.where(finite.unsqueeze(-1), v, torch.zeros_like(v)))
+    e = mxfp8_scale_exponent(amax, scale)
+    scaled = torch.ldexp(v, (-e).double().unsqueeze(-1))  # exact power-of-two scaling
+    q = float_to_e4m3(scaled)
+    q = torch.where(finite.unsqueeze(-1), q, torch.full_like(q, E4M3_NAN))
+    s = torch.where(finite, e + SCALE_BIAS, torch.full_like(e, E8M0_NAN)).to(torch.uint8)
+    return q.reshape(shape), s
+
+
+def quantize_mxfp4(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight MXFP4: w float [..., K] -> (q uint8 [..., K/2] two e2m1 per byte, low
+    nibble = even index, scales uint8 [..., K/32]). Scale: the smallest e with
+    amax <= 6 * 2^e (clamped to [-127, 127], amax 0 -> -127); elements RNE onto the
+    e2m1 grid, saturating at 6. A non-finite block: scale 0xFF, elements 0."""
+    v, shape = _blocks(w)
+    finite = torch.isfinite(v).all(dim=-1)
+    amax = _block_amax(torch.where(finite.unsqueeze(-1), v, torch.zeros_like(v)))
+    e = mxfp4_scale_exponent(amax)
+    scaled = torch.ldexp(v, (-e).double().unsqueeze(-1))
+    codes = float_to_e2m1(scaled)
+    codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+    codes = codes.reshape(*shape[:-1], shape[-1])
+    q = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    s = torch.where(finite, e + SCALE_BIAS, torch.full_like(e, E8M0_NAN)).to(torch.uint8)
+    return q, s
+
+
+def _apply_scales(vals64: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    k = vals64.shape[-1]
+    s = torch.as_tensor(scales)
+    if s.shape != (*vals64.shape[:-1], k // MX_BLOCK):
+        raise ValueError(
+            f"scales: expected shape {list(vals64.shape[:-1]) + [k // MX_BLOCK]}, "
+            f"got {list(s.shape)}")
+    f = e8m0_to_float(s.to(vals64.device))
+    blocks = vals64.reshape(*vals64.shape[:-1], k // MX_BLOCK, MX_BLOCK) * f.unsqueeze(-1)
+    # element * 2^e is exact in float64; the cast to float32 is then exact too except
+    # for overflow (-> inf) or scale 0 with tiny elements (fp32 subnormals: exact).
+    return blocks.reshape(vals64.shape).float()
+
+
+def dequantize_mxfp8(q, scales) -> torch.Tensor:
+    """(q uint8 [..., K], scales uint8 [..., K/32]) -> float32 [..., K]; scale 0xFF or
+    an e4m3 NaN element -> NaN."""
+    q = torch.as_tensor(q)
+    vals = _table(_E4M3_TABLE, q.device)[q.long()]
+    return _apply_scales(vals, scales)
+
+
+def dequantize_mxfp4(q, scales) -> torch.Tensor:
+    """(q uint8 [..., K/2], scales uint8 [..., K/32]) -> float32 [..., K]."""
+    q = torch.as_tensor(q).long()
+    t = _table(_E2M1_TABLE, q.device)
+    vals = torch.stack((t[q & 0xF], t[q >> 4]), dim=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+    return _apply_scales(vals, scales)
+
+
+def dequantize(q, scales, fmt: str) -> torch.Tensor:
+    if fmt == "mxfp8":
+        return dequantize_mxfp8(q, scales)
+    if fmt == "mxfp4":
+        return dequantize_mxfp4(q, scales)
+    raise ValueError(f"fmt: expected 'mxfp8' or 'mxfp4', got {fmt!r}")
+
+
+# --------------------------------------------------------------------------- bf16
+def to_bf16(t: torch.Tensor, *, no_negative_zero: bool = False) -> torch.Tensor:
+    """Round like the library: to float32 first (the library accumulates in fp32),
+    then round-to-nearest-even to bfloat16. With no_negative_zero, -0.0 becomes +0.0
+    (the skinny GEMM's rule, SPEC 4)."""
+    out = t.float().to(torch.bfloat16)
+    if no_negative_zero:
+        out = torch.where(out == 0, torch.zeros_like(out), out)
+    return out
+
+
+def bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensor -> its bit patterns as int32 (0..65535)."""
+    return t.contiguous().view(torch.int16).int() & 0xFFFF
+
+
+# --------------------------------------------------------------------------- MoE
+def _cap(v: torch.Tensor, c: float) -> torch.Tensor:
+    if math.isinf(c):
+        return v
+    return c * torch.tanh(v / c)
+
+
+def situ(a: torch.Tensor, inter: int, beta: float = 4.0, linear_beta: float = 25.0):
+    """SPEC 3 step 3 on a [..., 2I] tensor: silu(cap(gate, beta)) * cap(up, linear_beta)."""
+    gate, up = a[..., :inter], a[..., inter:]
+    g = _cap(gate, beta)
+    return g / (1 + torch.exp(-g)) * _cap(up, linear_beta)
+
+
+def _dequant_expert(w13, s13, w2, s2, e: int, device):
+    w13e = dequantize_mxfp4(w13[e].to(device), s13[e].to(device))
+    w2e = dequantize_mxfp4(w2[e].to(device), s2[e].to(device))
+    return w13e, w2e
+
+
+def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
+                  linear_beta: float = 25.0, hidden_scale: str = "rceil",
+                  dtype: torch.dtype = torch.float64, cache: dict | None = None,
+                  device=None) -> torch.Tensor:
+    """SPEC 3 in plain PyTorch.
+
+    w13 uint8 [E, 2I, H/2], s13 uint8 [E, 2I, H/32], w2 uint8 [E, H, I/2],
+    s2 uint8 [E, H, I/32], x bf16 [B, H], ids int [B, K_top], weights float [B, K_top]
+    or None. Returns, in ``dtype`` and BEFORE the final bf16 rounding:
+    rows [B*K_top, H] (row t*K_top + j is token t, slot j), or, when weights is given,
+    the combined [B, H] z[t] = sum_j weights[t, j] * bf16(row_tj) (slot order).
+    Ids outside [0, E) give NaN rows (and a NaN combined row for that token).
+
+    ``cache`` (optional dict) keeps each expert's dequantized float32 weights between
+    calls, keyed by expert index: pass the same dict for the same weights only.
+    ``device`` (default: x's device) is where the arithmetic runs.
+    """
+    w13, s13, w2, s2 = (torch.as_tensor(t) for t in (w13, s13, w2, s2))
+    x = torch.as_tensor(x)
+    ids = torch.as_tensor(ids)
+    device = torch.device(device) if device is not None else x.device
+    n_exp, two_i, half_h = w13.shape
+    inter, hidden = two_i // 2, half_h * 2
+    batch, top_k = ids.shape
+    if tuple(x.shape) != (batch, hidden):
+        raise ValueError(f"x: expected shape {[batch, hidden]}, got {list(x.shape)}")
+
+    # 1. xq = MXFP8(x), rceil, blocks along H (x widened to fp32 exactly).
+    xq = dequantize_mxfp8(*quantize_mxfp8(x.to(device), "rceil")).to(dtype)
+
+    rows = torch.full((batch * top_k, hidden), math.nan, dtype=dtype, device=device)
+    flat_ids = ids.reshape(-1).to(device).long()
+    for e in torch.unique(flat_ids).tolist():
+        if not 0 <= e < n_exp:
+            continue  # bad id: the row stays NaN
+        slots = torch.nonzero(flat_ids == e).squeeze(1)
+        if cache is not None and e in cache:
+            w13e, w2e = cache[e]
+        else:
+            w13e, w2e = _dequant_expert(w13, s13, w2, s2, e, device)
+            if cache is not None:
+                cache[e] = (w13e, w2e)
+        xs = xq[slots // top_k]
+        # 2. FC1 (exact products; accumulation in dtype).
+        a = xs @ w13e.to(dtype).T
+        # 3. SiTU in dtype, then rounded to fp32 like the library's h.
+        h = situ(a, inter, beta, linear_beta).float()
+        # 4. hq = MXFP8(h) along I with the layer's hidden_scale.
+        hq = dequantize_mxfp8(*quantize_mxfp8(h, hidden_scale)).to(dtype)
+        # 5. FC2.
+        rows[slots] = hq @ w2e.to(dtype).T
+    if weights is None:
+        return rows
+    return combine_rows(rows, weights, dtype=dtype)
+
+
+def combine_rows(rows: torch.Tensor, weights, *, dtype: torch.dtype = torch.float64):
+    """SPEC 3 step 6, combined form: rows [B*K_top, H] (reference values before the
+    bf16 rounding, or the library's bf16 rows) and weights [B, K_top] ->
+    z [B, H] = sum_j weights[t, j] * bf16(row_tj), accumulated in slot order in
+    ``dtype`` (before the final bf16 rounding)."""
+    w = torch.as_tensor(weights).to(device=rows.device, dtype=dtype)
+    batch, top_k = w.shape
+    rb = to_bf16(rows).to(dtype).reshape(batch, top_k, rows.shape[-1])
+    z = torch.zeros((batch, rows.shape[-1]), dtype=dtype, device=rows.device)
+    for j in range(top_k):  # slot order
+        z = z + w[:, j:j + 1] * rb[:, j]
+    return z
+
+
+# --------------------------------------------------------------------------- GEMM
+def gemm_reference(x, W, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """SPEC 4: y = x @ W^T for bf16 x [M, K] and W [N, K], computed in ``dtype``
+    (before the library's rounding: to_bf16(y, no_negative_zero=True) for bf16
+    outputs, y.float() with -0.0 -> +0.0 for the fp32 logits)."""
+    x = torch.as_tensor(x)
+    W = torch.as_tensor(W)
+    return x.to(dtype) @ W.to(dtype).T

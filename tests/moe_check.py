@@ -1,0 +1,121 @@
+"""One MoE layer under test beside its reference: shared by the CPU and GPU MoE tests
+(the GPU tests pass CUDA tensors and compute the reference on the GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from shapes import FINITE_SENTINEL, MOE_RTOL, POISON_BF16, count_bits, poison_, ref, rel_fro
+
+
+class Layer:
+    """A kx.PersistentExperts and the reference for the same weights and settings."""
+
+    def __init__(self, kx, shape: dict, weights, *, beta=4.0, linear_beta=25.0,
+                 hidden_scale=None, top_k=None, cache=None):
+        self.kx = kx
+        self.shape = dict(shape)
+        self.weights = weights
+        self.beta, self.linear_beta = beta, linear_beta
+        self.hidden_scale = hidden_scale or shape["hidden_scale"]
+        self.top_k = top_k or shape["top_k"]
+        self.moe = kx.PersistentExperts(*weights, top_k=self.top_k, beta=beta,
+                                        linear_beta=linear_beta,
+                                        hidden_scale=self.hidden_scale)
+        # expert -> dequantized weights, for the reference; depends on the weights only,
+        # so layers on the same weights may share one (GPU memory: up to 16 MB/expert).
+        self.cache: dict = {} if cache is None else cache
+        self.hidden = shape["H"]
+
+    def describe(self) -> str:
+        s = self.shape
+        return (f"shape={s['name']} (H={s['H']} I={s['I']} E={s['E']} top_k={self.top_k} "
+                f"hidden_scale={self.hidden_scale} beta={self.beta} "
+                f"linear_beta={self.linear_beta})")
+
+    def reference(self, x, ids, route_weights=None):
+        """float64 rows [B*K, H] (or combined [B, H]) before the bf16 rounding."""
+        return ref.moe_reference(*self.weights, x, ids, route_weights, beta=self.beta,
+                                 linear_beta=self.linear_beta,
+                                 hidden_scale=self.hidden_scale, cache=self.cache,
+                                 device=x.device)
+
+    def new_out(self, batch: int, combine: bool, device="cpu", poison=POISON_BF16):
+        rows = batch if combine else batch * self.top_k
+        out = torch.empty((rows, self.hidden), dtype=torch.bfloat16, device=device)
+        return poison_(out, poison)
+
+    def twin(self) -> "Layer":
+        """Another PersistentExperts on the same weights and settings (its own prepared
+        state), e.g. for eager runs beside a captured graph."""
+        return Layer(self.kx, self.shape, self.weights, beta=self.beta,
+                     linear_beta=self.linear_beta, hidden_scale=self.hidden_scale,
+                     top_k=self.top_k, cache=self.cache)
+
+    def run(self, x, ids, route_weights=None, *, scratch=None, out=None, prepare=True,
+            poison=POISON_BF16, **run_kw):
+        """(prepare and) run on an output poisoned with `poison` (default 0xFFFF, a NaN
+        the library never writes for finite data; pass a finite pattern where NaN rows
+        are expected); returns the output tensor."""
+        combine = route_weights is not None
+        batch = x.shape[0]
+        if out is None:
+            out = self.new_out(batch, combine, x.device)
+        poison_(out, poison)
+        if prepare:
+            if scratch is None:
+                scratch = self.kx.scratch(self.moe)
+            self.moe.prepare(batch, scratch, out, combine=combine)
+        if combine:
+            res = self.moe.run(x, ids, route_weights, **run_kw)
+        else:
+            res = self.moe.run(x, ids, **run_kw)
+        assert res is out, "run() must return the out object given to prepare()"
+        return out
+
+
+def check_close(out, want, what, *, rtol=MOE_RTOL, finite=True) -> float:
+    """out: the library's bf16 result; want: the float64 reference of the same shape.
+    Every element written (no 0xFFFF sentinel left), no NaN when finite, and a relative
+    Frobenius error below rtol (see shapes.MOE_RTOL for why not bit-exact)."""
+    assert tuple(out.shape) == tuple(want.shape), (
+        f"{what}: shape {list(out.shape)} vs {list(want.shape)}")
+    for sentinel in (POISON_BF16, FINITE_SENTINEL):
+        left = count_bits(out, sentinel)
+        assert left == 0, (f"{what}: {left} output elements never written "
+                           f"({sentinel:#06x} sentinel left)")
+    if finite:
+        n_nan = int(torch.isnan(out).sum())
+        assert n_nan == 0, f"{what}: {n_nan} NaN in the output for finite inputs"
+    err = rel_fro(out.float(), want)
+    assert err < rtol, f"{what}: relative Frobenius error {err:.3e} >= {rtol:g}"
+    return err
+
+
+def check_rows_close(out, want, what, rows, *, rtol=MOE_RTOL):
+    """Like check_close on a subset of rows (finite ones), e.g. beside NaN rows."""
+    rows = torch.as_tensor(rows, dtype=torch.long, device=out.device)
+    return check_close(out[rows], want[rows.to(want.device)], what, rtol=rtol)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
+    """One bf16 ulp at |t| (float64), for 'within one rounding' comparisons."""
+    a = t.double().abs().clamp(min=2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(a)) - 7)
+
+
+def check_combined_matches_rows(z, rows, route_weights, what):
+    """SPEC 3: z = bf16(sum_j w_j * out_j) over the library's own bf16 rows, fp32 in
+    slot order: z must lie within one bf16 rounding of that sum (computed here in
+    fp32 too; fma vs. separate rounding may differ in the last fp32 bit)."""
+    want = ref.combine_rows(rows, route_weights, dtype=torch.float32).double()
+    err = (z.double() - want).abs()
+    tol = ulp_bf16(want) + 1e-30
+    bad = torch.nonzero(err > tol)
+    assert bad.numel() == 0, (
+        f"{what}: combined output is not the slot-order sum of the rows at "
+        f"{bad[0].tolist()}: got {z[tuple(bad[0])].item()}, want {want[tuple(bad[0])].item()}")

@@ -1,0 +1,198 @@
+"""Shared shapes and input makers for the tests (and usable by benchmarks).
+
+Every maker takes a seed so a failing case reproduces from the parameters printed in
+its assert message. Magnitudes are realistic for a decoder layer: bf16 hidden states
+~ N(0, 1), FP4 weights whose dequantized values are ~1e-2 (random e2m1 codes under
+scales near 2^-8, or quantize_mxfp4 of N(0, 0.02)), so FC1 outputs are O(1) and the
+SiTU caps are exercised without saturating everything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import zlib
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_reference():
+    """kimi_experts.reference; loaded from its file when the package cannot be
+    imported (the C extension not built yet): the reference needs only torch."""
+    try:
+        from kimi_experts import reference
+        return reference
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "kimi_experts_reference", ROOT / "kimi_experts" / "reference.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+ref = _load_reference()
+
+# --------------------------------------------------------------------------- shapes
+# Kimi-K3 layer shards. E=384 experts, K_top=16, H=3584.
+K3_TP8 = dict(name="k3-tp8", H=3584, I=384, E=384, top_k=16, hidden_scale="floor")
+TP16 = dict(name="tp16", H=3584, I=192, E=384, top_k=16, hidden_scale="rceil")
+MODEL_SHAPES = [K3_TP8, TP16]
+
+# Small legal shapes (H % 64 == 0, I % 32 == 0, 1 <= K_top <= 32, E >= 1), chosen odd:
+# E=1 (every slot the same expert), E < K_top (repeats forced), I not a multiple of 64.
+SMALL_SHAPES = [
+    dict(name="h64-i32-e1-k1", H=64, I=32, E=1, top_k=1, hidden_scale="rceil"),
+    dict(name="h64-i32-e1-k4", H=64, I=32, E=1, top_k=4, hidden_scale="floor"),
+    dict(name="h128-i96-e3-k2", H=128, I=96, E=3, top_k=2, hidden_scale="rceil"),
+    dict(name="h192-i32-e7-k16", H=192, I=32, E=7, top_k=16, hidden_scale="floor"),
+    dict(name="h64-i96-e7-k5", H=64, I=96, E=7, top_k=5, hidden_scale="rceil"),
+    dict(name="h128-i32-e3-k7", H=128, I=32, E=3, top_k=7, hidden_scale="floor"),
+    dict(name="h192-i96-e7-k3", H=192, I=96, E=7, top_k=3, hidden_scale="rceil"),
+    dict(name="h64-i64-e5-k32", H=64, I=64, E=5, top_k=32, hidden_scale="rceil"),
+]
+
+
+def shape_id(shape: dict) -> str:
+    return shape["name"]
+
+
+def seed_of(*parts) -> int:
+    """A stable 31-bit seed from any parameters (str/int/float tuples)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def gen(seed: int, device="cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# --------------------------------------------------------------------------- weights
+def random_fp4_weights(E, H, I, seed, scale_center=127 - 8, scale_spread=1):
+    """Random e2m1 bytes under E8M0 scales drawn from scale_center +- scale_spread:
+    dequantized values ~ 1e-2. Fast at full size (k3-tp8 is ~830 MB)."""
+    g = gen(seed)
+    lo, hi = scale_center - scale_spread, scale_center + scale_spread + 1
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
+    s13 = torch.randint(lo, hi, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
+    s2 = torch.randint(lo, hi, (E, H, I // 32), dtype=torch.uint8, generator=g)
+    return w13, s13, w2, s2
+
+
+def quantized_fp4_weights(E, H, I, seed, std=0.02):
+    """quantize_mxfp4 (the reference) of N(0, std) weights: realistic scale spread.
+    Meant for small shapes (it materializes the float weights)."""
+    g = gen(seed)
+    w13f = torch.randn((E, 2 * I, H), generator=g) * std
+    w2f = torch.randn((E, H, I), generator=g) * std
+    w13, s13 = ref.quantize_mxfp4(w13f)
+    w2, s2 = ref.quantize_mxfp4(w2f)
+    return w13, s13, w2, s2
+
+
+def make_weights(shape: dict, seed: int, kind: str = "auto"):
+    """Weights for a shape dict; kind "random" / "quantized" / "auto" (quantized for
+    small shapes, random bytes for the model-size ones)."""
+    E, H, I = shape["E"], shape["H"], shape["I"]
+    if kind == "auto":
+        kind = "quantized" if E * H * I <= 8 * 2**20 else "random"
+    if kind == "quantized":
+        return quantized_fp4_weights(E, H, I, seed)
+    return random_fp4_weights(E, H, I, seed)
+
+
+# --------------------------------------------------------------------------- activations
+def make_x(B, H, seed, std=1.0, device="cpu"):
+    """bf16 hidden states [B, H] ~ N(0, std^2)."""
+    g = gen(seed)
+    return (torch.randn((B, H), generator=g) * std).to(torch.bfloat16).to(device)
+
+
+def make_x_varied(B, H, seed, device="cpu"):
+    """bf16 [B, H] with per-token magnitudes spanning 1e-3..1e2 and a few outlier
+    channels (exercises the per-block MXFP8 scales)."""
+    g = gen(seed)
+    x = torch.randn((B, H), generator=g)
+    mags = torch.pow(10.0, torch.randint(-3, 3, (B, 1), generator=g).float())
+    x = x * mags
+    n_out = max(1, H // 256)
+    cols = torch.randint(0, H, (n_out,), generator=g)
+    x[:, cols] *= 20.0
+    return x.to(torch.bfloat16).to(device)
+
+
+def make_ids(B, top_k, E, seed, repeat_frac=0.25, device="cpu"):
+    """int32 [B, top_k] expert ids in [0, E). About repeat_frac of the tokens repeat an
+    expert within their own slots (legal; each slot gets its row)."""
+    g = gen(seed)
+    ids = torch.randint(0, E, (B, top_k), generator=g, dtype=torch.int32)
+    if top_k > 1:
+        rep = torch.rand((B,), generator=g) < repeat_frac
+        src = torch.randint(0, top_k, (B,), generator=g)
+        dst = torch.randint(0, top_k, (B,), generator=g)
+        for t in torch.nonzero(rep).flatten().tolist():
+            ids[t, dst[t]] = ids[t, src[t]]
+    return ids.to(device)
+
+
+def make_route_weights(B, top_k, seed, device="cpu"):
+    """float32 [B, top_k] routing weights: positive, normalized per token."""
+    g = gen(seed)
+    w = torch.rand((B, top_k), generator=g) + 0.05
+    return (w / w.sum(dim=1, keepdim=True)).float().to(device)
+
+
+# --------------------------------------------------------------------------- comparison
+def rel_fro(out: torch.Tensor, ref_t: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in float64 (ref should be finite and non-zero)."""
+    o = out.double().to(ref_t.device)
+    r = ref_t.double()
+    den = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    return num / den if den > 0 else num
+
+
+# Why 2e-2 and not bit-exactness: the library accumulates FC1 in fp32 in an order of
+# its choosing; the reference accumulates in float64. A hidden value h that lies within
+# an fp32 rounding of an e4m3 rounding boundary can then be quantized one e4m3 step
+# apart (a 1/16 relative change of that element), and an amax within rounding of a
+# power of two can move a whole block's MXFP8 scale. Such flips are rare and each moves
+# the output by far less than 1e-2 of its norm; a real bug (wrong expert, wrong slot,
+# wrong nibble order, wrong scale) gives errors of O(1).
+MOE_RTOL = 2e-2
+# The GEMM has no re-quantization: only fp32 accumulation order and the bf16 rounding.
+GEMM_RTOL = 1e-2
+
+POISON_BF16 = 0xFFFF  # a bf16 NaN the library never writes for finite data
+# A finite bf16 pattern (~5.7e-28) for outputs where NaN rows are expected, so "not
+# written" stays distinguishable from "written NaN".
+FINITE_SENTINEL = 0x1234
+
+
+def _signed(bits: int, width: int) -> int:
+    """An unsigned bit pattern (e.g. 0x8000) as the signed int of that width."""
+    bits &= (1 << width) - 1
+    return bits - (1 << width) if bits >= 1 << (width - 1) else bits
+
+
+def poison_(t: torch.Tensor, bits: int = POISON_BF16) -> torch.Tensor:
+    """Fill a bf16/fp32 tensor (or view) with a sentinel bit pattern."""
+    if t.dtype == torch.bfloat16:
+        t.view(torch.int16).fill_(_signed(bits, 16))
+    elif t.dtype == torch.float32:
+        t.view(torch.int32).fill_(_signed(bits, 32))
+    else:
+        raise TypeError(t.dtype)
+    return t
+
+
+def count_bits(t: torch.Tensor, bits: int) -> int:
+    """How many elements of a bf16/fp32 tensor have exactly this bit pattern."""
+    if t.dtype == torch.bfloat16:
+        return int((t.view(torch.int16) == _signed(bits, 16)).sum())
+    if t.dtype == torch.float32:
+        return int((t.view(torch.int32) == _signed(bits, 32)).sum())
+    raise TypeError(t.dtype)

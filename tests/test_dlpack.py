@@ -1,0 +1,240 @@
+"""DLPack import on the CPU: NumPy and torch inputs, strided and offset views, legacy
+capsules, objects that only speak __dlpack__, and reference counting / leaks over many
+calls."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from moe_check import Layer, bitwise_equal, check_close
+from shapes import (count_bits, make_ids, make_route_weights, make_weights, make_x, poison_,
+                    seed_of)
+
+SHAPE = dict(name="dl-h128-i64-e6-k4", H=128, I=64, E=6, top_k=4, hidden_scale="floor")
+H, I, E, K = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["top_k"]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return make_weights(SHAPE, seed_of("dl-weights"))
+
+
+@pytest.fixture(scope="module")
+def layer(kx, weights):
+    return Layer(kx, SHAPE, weights)
+
+
+class OnlyDLPack:
+    """An array-like that is nothing but the DLPack protocol (like a JAX/CuPy array)."""
+
+    def __init__(self, arr):
+        self._arr = arr
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._arr.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._arr.__dlpack_device__()
+
+
+def test_numpy_weights(kx, weights, layer):
+    moe_np = kx.PersistentExperts(*(t.numpy() for t in weights), top_k=K, hidden_scale="floor")
+    B = 5
+    seed = seed_of("np-weights")
+    x, ids = make_x(B, H, seed), make_ids(B, K, E, seed)
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16))
+    moe_np.prepare(B, kx.scratch(moe_np), out)
+    moe_np.run(x, ids)
+    check_close(out, layer.reference(x, ids), f"numpy weights B={B} seed={seed}")
+    assert bitwise_equal(out, layer.run(x, ids)), "numpy and torch weights give different results"
+
+
+def test_numpy_ids_and_route_weights(kx, layer):
+    B = 4
+    seed = seed_of("np-ids")
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    out = layer.run(x, ids.numpy(), rw.numpy())
+    check_close(out, layer.reference(x, ids, rw), f"numpy ids/weights B={B} seed={seed}")
+
+
+def test_dlpack_only_objects(kx, weights, layer):
+    moe = kx.PersistentExperts(*(OnlyDLPack(t.numpy()) for t in weights), top_k=K,
+                               hidden_scale="floor")
+    B = 3
+    seed = seed_of("only-dlpack")
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    out = poison_(torch.empty((B, H), dtype=torch.bfloat16))
+    moe.prepare(B, kx.scratch(moe), out, combine=True)
+    moe.run(x, OnlyDLPack(ids.numpy()), OnlyDLPack(rw.numpy()))
+    check_close(out, layer.reference(x, ids, rw), f"__dlpack__-only inputs B={B} seed={seed}")
+
+
+@pytest.mark.parametrize("B", [1, 4, 9])
+def test_x_row_slice_of_wider_buffer(layer, B):
+    """x as rows [2, 2+B) and columns [64, 64+H) of a wider buffer: row stride H+192,
+    storage offset; same result as a contiguous x."""
+    seed = seed_of("x-slice", B)
+    x, ids = make_x(B, H, seed), make_ids(B, K, E, seed)
+    buf = torch.full((B + 4, H + 192), float("nan"), dtype=torch.bfloat16)
+    buf[2:2 + B, 64:64 + H] = x
+    xv = buf[2:2 + B, 64:64 + H]
+    assert xv.stride() == (H + 192, 1) and xv.storage_offset() > 0
+    got = layer.run(xv, ids).clone()
+    assert bitwise_equal(got, layer.run(x, ids)), f"B={B} seed={seed}: strided x differs"
+    check_close(got, layer.reference(x, ids), f"strided x B={B} seed={seed}")
+
+
+def test_x_offset_contiguous(layer):
+    B = 3
+    seed = seed_of("x-offset")
+    big = make_x(B + 5, H, seed)
+    xv = big[5:]
+    ids = make_ids(B, K, E, seed)
+    check_close(layer.run(xv, ids), layer.reference(xv.clone(), ids), f"offset x B={B}")
+
+
+def test_transposed_x_rejected_with_stride_message(kx, layer):
+    B = 4
+    buf = make_x(H, B, 3)  # [H, B]
+    xt = buf.T             # [B, H] with column stride B
+    ids = make_ids(B, K, E, 3)
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16), 0x1234)
+    layer.moe.prepare(B, kx.scratch(layer.moe), out)
+    with pytest.raises(ValueError) as info:
+        layer.moe.run(xt, ids)
+    msg = str(info.value)
+    assert "x" in msg and ("stride" in msg or "contiguous" in msg), msg
+    assert count_bits(out, 0x1234) == out.numel(), "out written before the error"
+
+
+def test_legacy_capsules(kx, weights, layer):
+    from torch.utils.dlpack import to_dlpack
+    moe = kx.PersistentExperts(*(to_dlpack(t) for t in weights), top_k=K, hidden_scale="floor")
+    B = 3
+    seed = seed_of("capsule")
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16))
+    moe.prepare(B, kx.scratch(moe), to_dlpack(out))
+    moe.run(to_dlpack(x), to_dlpack(ids))
+    check_close(out, layer.reference(x, ids), f"capsule inputs B={B} seed={seed}")
+    # a consumed capsule cannot be used again
+    cap = to_dlpack(x)
+    moe.run(cap, ids)
+    with pytest.raises((TypeError, ValueError)):
+        moe.run(cap, ids)
+    # combined with capsules
+    z = poison_(torch.empty((B, H), dtype=torch.bfloat16))
+    moe.prepare(B, kx.scratch(moe), z, combine=True)
+    moe.run(to_dlpack(x), to_dlpack(ids), to_dlpack(rw))
+    check_close(z, layer.reference(x, ids, rw), f"capsule combined B={B} seed={seed}")
+
+
+def test_library_keeps_out_and_scratch_alive(kx, layer):
+    """prepare() must hold references to out and scratch: the caller may drop theirs."""
+    B = 2
+    seed = seed_of("alive")
+    x, ids = make_x(B, H, seed), make_ids(B, K, E, seed)
+    moe = kx.PersistentExperts(*layer.weights, top_k=K, hidden_scale="floor")
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16))
+    moe.prepare(B, kx.scratch(moe), out)
+    out_id = id(out)
+    del out
+    gc.collect()
+    res = moe.run(x, ids)
+    assert id(res) == out_id
+    check_close(res, layer.reference(x, ids), f"B={B} seed={seed} after dropping out")
+
+
+def test_refcounts_stable(kx, layer):
+    B = 2
+    seed = seed_of("refcount")
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16))
+    z = poison_(torch.empty((B, H), dtype=torch.bfloat16))
+    scratch = kx.scratch(layer.moe)
+    objs = dict(x=x, ids=ids, rw=rw, out=out, z=z, scratch=scratch, moe=layer.moe)
+    layer.moe.prepare(B, scratch, out)
+    layer.moe.run(x, ids)
+    gc.collect()
+    before = {k: sys.getrefcount(v) for k, v in objs.items()}
+    for _ in range(200):
+        layer.moe.prepare(B, scratch, out)
+        layer.moe.run(x, ids)
+    layer.moe.prepare(B, scratch, z, combine=True)
+    for _ in range(200):
+        layer.moe.run(x, ids, rw)
+    layer.moe.prepare(B, scratch, out)  # back to the first out, as before
+    gc.collect()
+    after = {k: sys.getrefcount(v) for k, v in objs.items()}
+    assert after == before, f"refcounts changed: before {before}, after {after}"
+    xn = np.random.default_rng(1).standard_normal((4, 64), dtype=np.float32)
+    rc = sys.getrefcount(xn)
+    for _ in range(200):
+        q, s = kx.quantize_mxfp8(xn)
+        kx.dequantize(q, s, "mxfp8")
+        kx.quantize_mxfp4(xn)
+    del q, s
+    assert sys.getrefcount(xn) == rc, "quantize_mxfp8 leaks references to its input"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_no_leak_over_many_calls(kx, layer):
+    """tracemalloc (Python allocations) and RSS (C allocations too) stay flat over
+    thousands of prepare/run/format calls."""
+    B = 3
+    seed = seed_of("leak")
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    out = torch.empty((B * K, H), dtype=torch.bfloat16)
+    z = torch.empty((B, H), dtype=torch.bfloat16)
+    scratch = kx.scratch(layer.moe)
+    xq = torch.randn(8, 128)
+
+    def step():
+        layer.moe.prepare(B, scratch, out)
+        layer.moe.run(x, ids)
+        layer.moe.prepare(B, scratch, z, combine=True)
+        layer.moe.run(x, ids, rw)
+        q, s = kx.quantize_mxfp8(xq)
+        kx.dequantize(q, s, "mxfp8")
+        try:
+            layer.moe.run(x.float(), ids, rw)  # the error path must not leak either
+        except ValueError:
+            pass
+
+    for _ in range(200):
+        step()
+    gc.collect()
+    tracemalloc.start()
+    rss0 = _rss_bytes()
+    snap0 = tracemalloc.take_snapshot()
+    for _ in range(1500):
+        step()
+    gc.collect()
+    snap1 = tracemalloc.take_snapshot()
+    rss1 = _rss_bytes()
+    tracemalloc.stop()
+    grown = sum(st.size_diff for st in snap1.compare_to(snap0, "filename"))
+    assert grown < 256 * 1024, f"Python allocations grew by {grown} bytes over 1500 steps"
+    assert rss1 - rss0 < 32 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1500 steps"
+
+
+def test_gemm_numpy_weights_and_capsules(kx):
+    from torch.utils.dlpack import to_dlpack
+    from gemm_check import abs_products, assert_gemm_close, make_gemm_inputs, want_for
+    M, N, Kd = 3, 192, 128
+    x, W = make_gemm_inputs(M, N, Kd, seed_of("gemm-dl"))
+    out = poison_(torch.empty((M, N), dtype=torch.bfloat16))
+    gemm = kx.WsGemm(to_dlpack(W))
+    gemm.prepare(M, to_dlpack(out))
+    gemm.run(to_dlpack(x))
+    assert_gemm_close(out, want_for(x, W), abs_products(x, W), "gemm capsules", bf16=True)

@@ -1,0 +1,473 @@
+"""SPEC 3 on the GPU engine (issue 3): the device quantizer bit-exact; rows and combined
+output against the float64 reference (computed on the GPU) for every B in 1..64 on
+k3-tp8 and tp16 and for B > 64; NaN/Inf inputs; bad ids; CUDA-graph capture and
+replay; four layers sharing one scratch; determinism over 100 runs; streams; device
+mismatches. Weights are built once per module; the reference caches each expert's
+dequantized weights on the GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_util import sync_or_die, to_cuda
+from moe_check import (Layer, bitwise_equal, check_close, check_combined_matches_rows,
+                       check_rows_close)
+from shapes import (FINITE_SENTINEL, K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids, make_route_weights,
+                    make_weights, make_x, make_x_varied, poison_, ref, seed_of, shape_id)
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def gpu_layers(kx, weights_for):
+    layers = {}
+    for s in (K3_TP8, TP16):
+        layers[s["name"]] = Layer(kx, s, to_cuda(weights_for(s, seed=0)))
+    yield layers
+    layers.clear()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def scratches(kx, gpu_layers):
+    return {name: kx.scratch(layer.moe) for name, layer in gpu_layers.items()}
+
+
+def _inputs(layer, B, seed, varied=False):
+    H, E, K = layer.hidden, layer.shape["E"], layer.top_k
+    x = (make_x_varied if varied else make_x)(B, H, seed).to(DEV)
+    return x, make_ids(B, K, E, seed).to(DEV), make_route_weights(B, K, seed).to(DEV)
+
+
+# --------------------------------------------------------------------------- plan quantizer
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("B", [1, 7, 64, 300])
+def test_device_quantizer_bit_exact(kx, mode, B):
+    seed = seed_of("dq", mode, B)
+    x = make_x_varied(B, 3584, seed)
+    if B > 2:
+        x[1, 17] = math.nan
+        x[2, 3000] = -math.inf
+        x[0, :32] = 2.0**-133  # bf16 subnormals
+        x[0, 32:64] = -0.0
+    q, s = kx.quantize_mxfp8(x.to(DEV), scale=mode)
+    assert q.is_cuda and s.is_cuda, "a CUDA bf16 input is quantized on the device"
+    qc, sc = kx.quantize_mxfp8(x, scale=mode)
+    what = f"device quantizer B={B} mode={mode} seed={seed}"
+    assert torch.equal(s.cpu(), sc), f"{what}: scales differ from the CPU backend"
+    assert torch.equal(q.cpu(), qc), f"{what}: elements differ from the CPU backend"
+    rq, rs = ref.quantize_mxfp8(x, mode)
+    assert torch.equal(s.cpu(), rs), f"{what}: scales differ from the reference"
+    finite = torch.isfinite(x.float()).reshape(B, -1, 32).all(-1).repeat_interleave(32, 1)
+    assert torch.equal(q.cpu()[finite], rq[finite]), f"{what}: elements differ from the reference"
+
+
+def test_device_quantizer_strided_input(kx):
+    """A row-strided CUDA input is quantized correctly or rejected with ValueError."""
+    x = make_x(9, 3584 + 64, seed_of("dq-stride")).to(DEV)
+    view = x[:, 64:]
+    try:
+        q, s = kx.quantize_mxfp8(view)
+    except ValueError as e:
+        assert "x" in str(e), str(e)
+        return
+    qc, sc = kx.quantize_mxfp8(view.cpu().contiguous())
+    assert torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc), "strided device input"
+
+
+# --------------------------------------------------------------------------- every batch size
+@pytest.mark.parametrize("B", list(range(1, 65)))
+@pytest.mark.parametrize("shape", [K3_TP8, TP16], ids=shape_id)
+def test_every_batch_size(kx, gpu_layers, scratches, shape, B):
+    layer = gpu_layers[shape["name"]]
+    scr = scratches[shape["name"]]
+    seed = seed_of("gpu-B", shape["name"], B)
+    x, ids, rw = _inputs(layer, B, seed, varied=(B % 3 == 0))
+    what = f"{layer.describe()} B={B} seed={seed}"
+    rows = layer.run(x, ids, scratch=scr)
+    sync_or_die(what)
+    want = layer.reference(x, ids)
+    check_close(rows, want, what + " rows")
+    z = layer.run(x, ids, rw, scratch=scr)
+    sync_or_die(what + " combined")
+    check_close(z, ref.combine_rows(want, rw), what + " combined")
+    check_combined_matches_rows(z, rows, rw, what)
+
+
+@pytest.mark.parametrize("B", [65, 100, 128, 256])
+@pytest.mark.parametrize("shape", [K3_TP8, TP16], ids=shape_id)
+def test_large_batch(kx, gpu_layers, scratches, shape, B):
+    layer = gpu_layers[shape["name"]]
+    seed = seed_of("gpu-bigB", shape["name"], B)
+    x, ids, rw = _inputs(layer, B, seed)
+    what = f"{layer.describe()} B={B} seed={seed}"
+    rows = layer.run(x, ids, scratch=scratches[shape["name"]])
+    sync_or_die(what)
+    want = layer.reference(x, ids)
+    check_close(rows, want, what + " rows")
+    z = layer.run(x, ids, rw, scratch=scratches[shape["name"]])
+    sync_or_die(what)
+    check_close(z, ref.combine_rows(want, rw), what + " combined")
+
+
+@pytest.mark.parametrize("case", ["one-hot-expert", "same-16-experts", "all-slots-repeat"])
+def test_skewed_routing(kx, gpu_layers, scratches, case):
+    """Every token on one expert / the same 16 experts / one expert in all 16 slots."""
+    layer = gpu_layers["k3-tp8"]
+    B = 64
+    seed = seed_of("skew", case)
+    x, ids, rw = _inputs(layer, B, seed)
+    if case == "one-hot-expert":
+        ids[:, 0] = 383
+    elif case == "same-16-experts":
+        ids[:] = torch.arange(100, 116, dtype=torch.int32, device=DEV)
+    else:
+        ids[:] = ids[:, :1]
+    what = f"{layer.describe()} B={B} seed={seed} routing={case}"
+    rows = layer.run(x, ids, scratch=scratches["k3-tp8"])
+    sync_or_die(what)
+    check_close(rows, layer.reference(x, ids), what)
+    z = layer.run(x, ids, rw, scratch=scratches["k3-tp8"])
+    sync_or_die(what)
+    check_combined_matches_rows(z, rows, rw, what)
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
+def test_small_shapes_gpu(kx, shape):
+    layer = Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
+    for B in (1, 5, 64, 300):
+        seed = seed_of("gpu-small", shape["name"], B)
+        x, ids, rw = _inputs(layer, B, seed)
+        what = f"{layer.describe()} B={B} seed={seed}"
+        rows = layer.run(x, ids)
+        sync_or_die(what)
+        want = layer.reference(x, ids)
+        check_close(rows, want, what + " rows")
+        z = layer.run(x, ids, rw)
+        sync_or_die(what)
+        check_close(z, ref.combine_rows(want, rw), what + " combined")
+
+
+def test_gpu_matches_cpu_backend(kx, gpu_layers, weights_for):
+    """GPU and CPU backends agree to the MoE tolerance on the same inputs."""
+    layer = gpu_layers["tp16"]
+    cpu = Layer(kx, TP16, weights_for(TP16, seed=0))
+    B = 4
+    seed = seed_of("gpu-vs-cpu")
+    x, ids, rw = _inputs(layer, B, seed)
+    g = layer.run(x, ids)
+    sync_or_die("gpu vs cpu")
+    c = cpu.run(x.cpu(), ids.cpu())
+    check_close(g.cpu(), c.double(), f"{layer.describe()} B={B} seed={seed} GPU vs CPU")
+
+
+# --------------------------------------------------------------------------- faults
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_nonfinite_x(kx, gpu_layers, value):
+    layer = gpu_layers["k3-tp8"]
+    B, K, H = 8, layer.top_k, layer.hidden
+    seed = seed_of("gpu-nonfinite", str(value))
+    x, ids, rw = _inputs(layer, B, seed)
+    x[2, 100] = value
+    x[5, H - 1] = value
+    what = f"{layer.describe()} B={B} seed={seed} x[2,100]=x[5,{H - 1}]={value}"
+    out = layer.run(x, ids, poison=FINITE_SENTINEL)
+    sync_or_die(what)
+    poisoned = [t * K + j for t in (2, 5) for j in range(K)]
+    for r in poisoned:
+        assert bool(torch.isnan(out[r]).all()), f"{what}: row {r} not all NaN"
+    good = [r for r in range(B * K) if r not in poisoned]
+    want = layer.reference(x, ids)
+    check_rows_close(out, want, what + " other tokens", good)
+    z = layer.run(x, ids, rw, poison=FINITE_SENTINEL)
+    sync_or_die(what)
+    assert bool(torch.isnan(z[[2, 5]]).all()), f"{what}: combined rows 2, 5 not all NaN"
+    check_rows_close(z, ref.combine_rows(want, rw), what + " combined", [0, 1, 3, 4, 6, 7])
+    layer.moe.check()  # not a routing error
+    # the next clean call is correct (no stale state)
+    x2, ids2, _ = _inputs(layer, B, seed + 1)
+    out2 = layer.run(x2, ids2)
+    sync_or_die(what)
+    check_close(out2, layer.reference(x2, ids2), what + " next clean call")
+
+
+def test_all_tokens_nan(kx, gpu_layers):
+    layer = gpu_layers["tp16"]
+    B = 16
+    x, ids, _ = _inputs(layer, B, 5)
+    x[:] = math.nan
+    out = layer.run(x, ids)
+    sync_or_die("all-NaN x")
+    assert bool(torch.isnan(out).all()), "all-NaN x must give all-NaN rows"
+
+
+def test_bad_ids(kx, gpu_layers):
+    layer = gpu_layers["k3-tp8"]
+    B, K, H, E = 6, layer.top_k, layer.hidden, layer.shape["E"]
+    seed = seed_of("gpu-bad-ids")
+    x, ids, rw = _inputs(layer, B, seed)
+    bad = ids.clone()
+    bad[3, 9] = E
+    what = f"{layer.describe()} B={B} seed={seed} ids[3, 9] = {E}"
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV), FINITE_SENTINEL)
+    layer.run(x, bad, out=out, poison=FINITE_SENTINEL)
+    sync_or_die(what)
+    r = 3 * K + 9
+    assert bool(torch.isnan(out[r]).all()), f"{what}: row {r} not all NaN"
+    check_rows_close(out, layer.reference(x, bad), what, [i for i in range(B * K) if i != r])
+    with pytest.raises(kx.BadRoutingError) as info:
+        layer.moe.check()
+    msg = str(info.value)
+    assert ("ids[3, 9]" in msg or ("3" in msg and "9" in msg)) and str(E) in msg, msg
+    layer.moe.check()  # cleared
+    # several bad ids, negative too: NaN rows exactly there; validate=True raises
+    bad2 = ids.clone()
+    bad2[0, 0], bad2[4, 15], bad2[5, 7] = -1, 2**31 - 1, E + 7
+    with pytest.raises(kx.BadRoutingError):
+        layer.run(x, bad2, out=out, poison=FINITE_SENTINEL, validate=True)
+    assert count_bits(out, FINITE_SENTINEL) == 0, "validate=True: rows left unwritten"
+    nan_rows = torch.isnan(out).all(1).nonzero().flatten().tolist()
+    assert nan_rows == [0, 4 * K + 15, 5 * K + 7], f"NaN rows {nan_rows}"
+    layer.moe.check()
+    z = layer.run(x, bad2, rw, poison=FINITE_SENTINEL)
+    sync_or_die(what)
+    assert count_bits(z, FINITE_SENTINEL) == 0, "combined rows left unwritten"
+    assert torch.isnan(z).all(1).nonzero().flatten().tolist() == [0, 4, 5]
+    with pytest.raises(kx.BadRoutingError):
+        layer.moe.check()
+    # a clean run afterwards is right and leaves no fault
+    out2 = layer.run(x, ids)
+    sync_or_die(what)
+    check_close(out2, layer.reference(x, ids), what + " clean run after bad ids")
+    layer.moe.check()
+
+
+def test_device_mismatch_errors(kx, gpu_layers, scratches):
+    layer = gpu_layers["tp16"]
+    B, K, H = 2, layer.top_k, layer.hidden
+    x, ids, _ = _inputs(layer, B, 1)
+    out = poison_(torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV), FINITE_SENTINEL)
+    with pytest.raises(ValueError, match="out"):
+        layer.moe.prepare(B, scratches["tp16"], out.cpu())
+    cpu_moe = kx.PersistentExperts(*(t.cpu() for t in layer.weights), top_k=K,
+                                   hidden_scale=layer.hidden_scale)
+    with pytest.raises((ValueError, TypeError), match="scratch"):
+        layer.moe.prepare(B, kx.scratch(cpu_moe), out)
+    layer.moe.prepare(B, scratches["tp16"], out)
+    with pytest.raises(ValueError, match="x"):
+        layer.moe.run(x.cpu(), ids)
+    with pytest.raises(ValueError, match="ids"):
+        layer.moe.run(x, ids.cpu())
+    sync_or_die("device mismatch")
+    assert count_bits(out, FINITE_SENTINEL) == out.numel(), "written before the error"
+    with pytest.raises(ValueError):
+        kx.PersistentExperts(layer.weights[0], layer.weights[1].cpu(), *layer.weights[2:], top_k=K)
+
+
+# --------------------------------------------------------------------------- graphs, streams, sharing
+def _graph_capture(fn):
+    """Warm up on a side stream, then capture fn() into a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.fixture(scope="module")
+def k3_twin(gpu_layers):
+    """A second PersistentExperts on the k3-tp8 weights, for eager runs beside graphs
+    captured on the first (so re-preparing it cannot disturb a captured graph)."""
+    return gpu_layers["k3-tp8"].twin()
+
+
+@pytest.mark.parametrize("B", [1, 16, 64])
+def test_cuda_graph_capture_replay(kx, gpu_layers, k3_twin, B):
+    layer = gpu_layers["k3-tp8"]
+    moe, K, H = layer.moe, layer.top_k, layer.hidden
+    scr = kx.scratch(moe)
+    x_s, ids_s, rw_s = _inputs(layer, B, 0)
+    rows = torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV)
+    moe.prepare(B, scr, rows)
+    g = _graph_capture(lambda: moe.run(x_s, ids_s))
+    for step in range(3):
+        seed = seed_of("graph", B, step)
+        x, ids, _ = _inputs(layer, B, seed)
+        x_s.copy_(x)
+        ids_s.copy_(ids)
+        poison_(rows)
+        g.replay()
+        sync_or_die(f"graph replay B={B} step={step}")
+        got = rows.clone()
+        eager = k3_twin.run(x, ids)
+        sync_or_die("eager")
+        what = f"{layer.describe()} B={B} seed={seed} graph replay"
+        assert bitwise_equal(got, eager), f"{what}: replay differs from an eager run"
+        check_close(got, layer.reference(x, ids), what)
+
+
+def test_cuda_graphs_for_several_batch_sizes(kx, gpu_layers, k3_twin):
+    """The serving pattern: one layer prepared and captured once per batch size, then
+    the graphs replayed in any order (a later prepare must not break an earlier graph)."""
+    layer = gpu_layers["k3-tp8"]
+    moe, K, H = layer.moe, layer.top_k, layer.hidden
+    scr = kx.scratch(moe)
+    graphs = {}
+    for B in (1, 8, 64):
+        x_s, ids_s, _ = _inputs(layer, B, 0)
+        out = torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV)
+        moe.prepare(B, scr, out)
+        graphs[B] = (_graph_capture(lambda x_s=x_s, ids_s=ids_s: moe.run(x_s, ids_s)),
+                     x_s, ids_s, out)
+    for step, B in enumerate((64, 1, 8, 1, 64, 8)):
+        g, x_s, ids_s, out = graphs[B]
+        seed = seed_of("graphs-B", step)
+        x, ids, _ = _inputs(layer, B, seed)
+        x_s.copy_(x)
+        ids_s.copy_(ids)
+        poison_(out)
+        g.replay()
+        sync_or_die(f"graph B={B} step={step}")
+        got = out.clone()
+        eager = k3_twin.run(x, ids)
+        sync_or_die("eager")
+        assert bitwise_equal(got, eager), (
+            f"{layer.describe()} B={B} step={step} seed={seed}: replay of the B={B} graph "
+            f"(captured before later prepares) differs from an eager run")
+
+
+def test_cuda_graph_four_layers_one_scratch(kx, gpu_layers, weights_for):
+    """A graph of four layers' runs (different weights, shared scratch), as in decoding."""
+    shape = TP16
+    tp16 = gpu_layers["tp16"]
+    layers = [tp16.twin(), Layer(kx, shape, to_cuda(weights_for(shape, seed=1)))]
+    layers += [Layer(kx, shape, layers[i].weights, hidden_scale="floor" if i else "rceil",
+                     beta=2.0 if i else 4.0, cache=layers[i].cache) for i in range(2)]
+    B, K, H = 8, shape["top_k"], shape["H"]
+    scr = kx.scratch(layers[0].moe)
+    x_s, ids_s, _ = _inputs(layers[0], B, 0)
+    outs = [torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV) for _ in layers]
+    for lay, o in zip(layers, outs):
+        lay.moe.prepare(B, scr, o)
+
+    def chain():
+        for lay in layers:
+            lay.moe.run(x_s, ids_s)
+
+    g = _graph_capture(chain)
+    twins = [lay.twin() for lay in layers]
+    for step in range(2):
+        x, ids, _ = _inputs(layers[0], B, seed_of("graph4", step))
+        x_s.copy_(x)
+        ids_s.copy_(ids)
+        for o in outs:
+            poison_(o)
+        g.replay()
+        sync_or_die(f"4-layer graph step {step}")
+        for li, (lay, o) in enumerate(zip(twins, outs)):
+            alone = lay.run(x, ids)
+            sync_or_die("alone")
+            assert bitwise_equal(o, alone), f"layer {li} step {step}: graph result differs from alone"
+
+
+def test_four_layers_share_scratch_changing_batch(kx, gpu_layers):
+    k3, tp16 = gpu_layers["k3-tp8"], gpu_layers["tp16"]
+    layers = [k3.twin(), tp16.twin(),
+              Layer(kx, K3_TP8, k3.weights, beta=math.inf, linear_beta=math.inf, cache=k3.cache),
+              Layer(kx, TP16, tp16.weights, hidden_scale="floor", cache=tp16.cache)]
+    shared = kx.scratch(*(lay.moe for lay in layers))  # sized for the largest layer
+    for step, B in enumerate((3, 64, 1, 17, 2, 100, 5, 33, 1, 64)):
+        results = []
+        for li, lay in enumerate(layers):
+            x, ids, _ = _inputs(lay, B, seed_of("share4", step, li))
+            results.append((lay, x, ids, lay.run(x, ids, scratch=shared)))
+        sync_or_die(f"shared scratch step {step}")
+        for li, (lay, x, ids, got) in enumerate(results):
+            alone = lay.run(x, ids, scratch=kx.scratch(lay.moe))
+            sync_or_die("alone")
+            what = f"layer {li} {lay.describe()} step={step} B={B}"
+            assert bitwise_equal(got, alone), f"{what}: shared-scratch result differs from alone"
+            if step < 3:
+                check_close(got, lay.reference(x, ids), what)
+
+
+def test_scratch_too_small_is_rejected(kx, gpu_layers):
+    """A scratch sized for a smaller layer is 'mismatched scratch' (SPEC 7) for a larger
+    one: ValueError at prepare, nothing written."""
+    a, b = gpu_layers["k3-tp8"], gpu_layers["tp16"]
+    sa, sb = kx.scratch(a.moe), kx.scratch(b.moe)
+    if sa.nbytes == sb.nbytes:
+        pytest.skip(f"both shapes need {sa.nbytes} scratch bytes")
+    small, big = (a, b) if sa.nbytes < sb.nbytes else (b, a)
+    out = big.new_out(4, False, DEV, FINITE_SENTINEL)
+    with pytest.raises(ValueError, match="scratch"):
+        big.moe.prepare(4, kx.scratch(small.moe), out)
+    big.moe.prepare(4, kx.scratch(small.moe, big.moe), out)
+
+
+def test_streams(kx, gpu_layers):
+    layer = gpu_layers["tp16"]
+    B = 12
+    x, ids, _ = _inputs(layer, B, seed_of("streams"))
+    want = layer.run(x, ids).clone()
+    sync_or_die("streams")
+    s = torch.cuda.Stream()
+    out = layer.new_out(B, False, DEV)
+    layer.moe.prepare(B, kx.scratch(layer.moe), out)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # default stream= is torch's current stream
+        layer.moe.run(x, ids)
+    s.synchronize()
+    assert bitwise_equal(out, want), "run on the current (side) stream differs"
+    poison_(out)
+    torch.cuda.synchronize()
+    layer.moe.run(x, ids, stream=s)  # a torch.cuda.Stream object
+    s.synchronize()
+    assert bitwise_equal(out, want), "run(stream=Stream) differs"
+    poison_(out)
+    torch.cuda.synchronize()
+    layer.moe.run(x, ids, stream=s.cuda_stream)  # an int handle
+    s.synchronize()
+    assert bitwise_equal(out, want), "run(stream=int) differs"
+
+
+# --------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_determinism_100_runs(kx, gpu_layers, scratches, B):
+    layer = gpu_layers["k3-tp8"]
+    x, ids, rw = _inputs(layer, B, seed_of("det", B))
+    out = layer.new_out(B, False, DEV)
+    layer.moe.prepare(B, scratches["k3-tp8"], out)
+    layer.moe.run(x, ids)
+    first = out.clone()
+    for i in range(100):
+        poison_(out)
+        layer.moe.run(x, ids)
+        if not bitwise_equal(out, first):
+            n = int((out.view(torch.int16) != first.view(torch.int16)).sum())
+            raise AssertionError(f"{layer.describe()} B={B}: run {i + 1} differs from the first in {n} elements")
+    z = layer.new_out(B, True, DEV)
+    layer.moe.prepare(B, scratches["k3-tp8"], z, combine=True)
+    layer.moe.run(x, ids, rw)
+    zfirst = z.clone()
+    for i in range(100):
+        layer.moe.run(x, ids, rw)
+        assert bitwise_equal(z, zfirst), f"{layer.describe()} B={B}: combined run {i + 1} differs"
+    sync_or_die("determinism")
+
+
+def test_packed_bytes_and_attributes(kx, gpu_layers):
+    layer = gpu_layers["k3-tp8"]
+    moe = layer.moe
+    assert moe.device.startswith("cuda"), moe.device
+    assert (moe.experts, moe.hidden, moe.inter, moe.top_k) == (384, 3584, 384, 16)
+    assert isinstance(moe.packed_bytes, int) and moe.packed_bytes >= 0
