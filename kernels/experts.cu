@@ -259,7 +259,8 @@ __device__ __forceinline__ TileRef tile_ref(const Params &p, int index, int fc1_
 
 /* ---- producers: the copy streams ------------------------------------------------------ */
 /* Weights never wait for data: this warp only waits for free stages, so the weight
- * stream runs ahead across phase and unit boundaries. */
+ * stream runs ahead across phase and unit boundaries. Lane 0 issues; the warp stays
+ * converged. */
 __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
@@ -272,9 +273,12 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
     for (int c = 0; c < ph.chunks(); ++c, ++it) {
       const int s = it % kStages;
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-      mbar_arrive_expect_tx(&full[s], ph.chunk_bytes(c));
-      bulk_copy_streaming(stage_at(smem, p.smem, s).weights, p.packed + ph.chunk_offset(expert, ref.tile, c),
-                          ph.chunk_bytes(c), &full[s], policy);
+      if ((threadIdx.x & 31) == 0) {
+        mbar_arrive_expect_tx(&full[s], ph.chunk_bytes(c));
+        bulk_copy_streaming(stage_at(smem, p.smem, s).weights, p.packed + ph.chunk_offset(expert, ref.tile, c),
+                            ph.chunk_bytes(c), &full[s], policy);
+      }
+      __syncwarp();
     }
   }
 }
@@ -356,12 +360,49 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
 }
 
 /* ---- consumers: decode + MMA over one tile's chunks ------------------------------------ */
+/* One warp's kUnits units of a stage: every shared-memory load first, then the stage is
+ * released, then decode + MMA with no branch between units, so the scheduler overlaps
+ * one unit's loads, decode and MMAs with the next's. */
+template <int kUnits>
+__device__ __forceinline__ void consume_units(const Stage &st, const uint8_t *scales, int strip, int nkb, int k_slot,
+                                              int k_step, uint64_t *empty, float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint2 w[kUnits];
+  uint4 b[kUnits];
+  uint32_t sw[kUnits];
+  float sx0[kUnits], sx1[kUnits];
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int kb = k_slot + j * k_step, unit = strip * nkb + kb;
+    w[j] = *reinterpret_cast<const uint2 *>(st.weights + unit * kUnitWeightBytes + lane * 8);
+    sw[j] = *reinterpret_cast<const uint16_t *>(scales + unit * kUnitScaleBytes + 2 * g);
+    b[j] = *reinterpret_cast<const uint4 *>(st.act + g * kActRowBytes + kb * kActBlockBytes + 16 * t);
+    sx0[j] = st.act_scale[(2 * t) * kActScaleFloats + kb];
+    sx1[j] = st.act_scale[(2 * t + 1) * kActScaleFloats + kb];
+  }
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty); /* everything of this stage is in registers */
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    uint32_t a_lo[4], a_hi[4];
+    decode_fp4x8(w[j].x, a_lo);
+    decode_fp4x8(w[j].y, a_hi);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_f16(d, a_lo, b[j].x, b[j].y);
+    mma_f16(d, a_hi, b[j].z, b[j].w);
+    acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
+    acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
+    acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
+    acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
+  }
+}
+
 /* acc: rows g / g+8 x token columns 2t / 2t+1 of this warp's strip, summed over this
- * warp's k-blocks (a fixed set, so the result is deterministic). Each warp owns 8 units
- * of a full chunk; all their shared-memory loads are issued before the first MMA. */
+ * warp's k-blocks (a fixed set in a fixed order, so the result is deterministic). */
 __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, int &it,
                                              float (&acc)[4]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x >> 5;
   const int strip = warp % ph.strips, k_slot = warp / ph.strips, k_step = kConsumerWarps / ph.strips;
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
@@ -374,38 +415,20 @@ __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, con
     mbar_wait(&full[s], (it / kStages) & 1);
     const int nkb = ph.chunk_k_blocks(c);
     const uint8_t *scales = st.weights + ph.strips * nkb * kUnitWeightBytes;
-    uint2 w[kUnitsPerWarp];
-    uint4 b[kUnitsPerWarp];
-    uint32_t sw[kUnitsPerWarp];
-    float sx0[kUnitsPerWarp], sx1[kUnitsPerWarp];
-#pragma unroll
-    for (int j = 0; j < kUnitsPerWarp; ++j) {
-      const int kb = k_slot + j * k_step, unit = strip * nkb + kb;
-      if (kb < nkb) {
-        w[j] = *reinterpret_cast<const uint2 *>(st.weights + unit * kUnitWeightBytes + lane * 8);
-        sw[j] = *reinterpret_cast<const uint16_t *>(scales + unit * kUnitScaleBytes + 2 * g);
-        b[j] = *reinterpret_cast<const uint4 *>(st.act + g * kActRowBytes + kb * kActBlockBytes + 16 * t);
-        sx0[j] = st.act_scale[(2 * t) * kActScaleFloats + kb];
-        sx1[j] = st.act_scale[(2 * t + 1) * kActScaleFloats + kb];
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[s]); /* everything of this stage is in registers */
-#pragma unroll
-    for (int j = 0; j < kUnitsPerWarp; ++j) {
-      if (k_slot + j * k_step < nkb) {
-        const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
-        uint32_t a_lo[4], a_hi[4];
-        decode_fp4x8(w[j].x, a_lo);
-        decode_fp4x8(w[j].y, a_hi);
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_f16(d, a_lo, b[j].x, b[j].y);
-        mma_f16(d, a_hi, b[j].z, b[j].w);
-        acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
-        acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
-        acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
-        acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
-      }
+    const int units = nkb > k_slot ? (nkb - k_slot + k_step - 1) / k_step : 0;
+    switch (units) { /* a full chunk gives every warp 8 units; the count is warp-uniform */
+      case 8: consume_units<8>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 7: consume_units<7>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 6: consume_units<6>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 5: consume_units<5>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 4: consume_units<4>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 3: consume_units<3>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 2: consume_units<2>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      case 1: consume_units<1>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
+      default: /* this warp has no k-block in this chunk */
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[s]);
+        break;
     }
   }
 }
@@ -619,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   const int total_tiles = fc1_tiles + units * p.fc2.tiles;
 
   if (warp == kWeightWarp) {
-    if ((threadIdx.x & 31) == 0) produce_weights(p, smem, r, total_tiles, fc1_tiles);
+    produce_weights(p, smem, r, total_tiles, fc1_tiles);
   } else if (warp == kActivationWarp) {
     produce_activations(p, smem, r, total_tiles, fc1_tiles);
   } else if (warp >= kFirstEpilogueWarp) {

@@ -31,7 +31,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu: needs kimi_experts built with CUDA and an sm_90 GPU "
         "(skipped unless kimi_experts.cuda_available())")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds on 2 cores")
 
 
 def _cuda_skip_reason():

@@ -424,7 +424,7 @@ def test_gemm_prepare_and_run_errors(kx):
             raise AssertionError(f"gemm run case {name!r}: {e}") from None
     expect(TypeError, gemm.run, x.tolist(), arg="x", untouched=[out])
     gemm.run(x)
-    assert count_bits(out, SENTINEL) == 0
+    assert count_bits(out, SENTINEL) == 0, f"M={M} N={N} K={Kd}: run after errors left elements unwritten"
 
     split = kx.WsGemm(W, split=64, valid=32)
     L = torch.empty((M, 32))
@@ -435,3 +435,21 @@ def test_gemm_prepare_and_run_errors(kx):
     expect(ValueError, split.prepare, M, logits=L, latent=T.float(), arg="latent")
     expect((ValueError, TypeError), split.prepare, M, torch.empty((M, N), dtype=bf))
     expect((ValueError, TypeError), gemm.prepare, M, logits=L, latent=T)
+
+
+def test_bad_id_record_survives_other_layers_on_shared_scratch(kx, weights):
+    """Layer A meets a bad id, then layer B runs clean on the same scratch: A.check()
+    still raises for A's bad (token, slot) (the record holds since the last check)."""
+    a = Layer(kx, SHAPE, weights)
+    b = Layer(kx, SHAPE, weights, hidden_scale="floor")
+    shared = kx.scratch(a.moe, b.moe)
+    x, ids, _ = inputs(seed_of("shared-record"))
+    bad_ids = ids.clone()
+    bad_ids[2, 1] = E + 3
+    a.run(x, bad_ids, scratch=shared, poison=SENTINEL)
+    b.run(x, ids, scratch=shared)
+    with pytest.raises(kx.BadRoutingError) as info:
+        a.moe.check()
+    _assert_names_first_bad(str(info.value), 2, 1, E + 3)
+    a.moe.check()
+    b.moe.check()

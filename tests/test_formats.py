@@ -116,7 +116,8 @@ def test_quantize_mxfp8_default_is_rceil(kx, ref, mode):
     x = mixed_blocks((4, 128), seed_of("default", mode))
     q0, s0 = kx.quantize_mxfp8(x)
     q1, s1 = kx.quantize_mxfp8(x, scale="rceil")
-    assert torch.equal(as_torch(q0), as_torch(q1)) and torch.equal(as_torch(s0), as_torch(s1))
+    assert torch.equal(as_torch(q0), as_torch(q1)) and torch.equal(as_torch(s0), as_torch(s1)), (
+        f"default scale differs from rceil (seed={seed_of('default', mode)})")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_ID.get)
@@ -346,4 +347,4 @@ def test_input_not_modified(kx):
     before = x.clone()
     kx.quantize_mxfp8(x)
     kx.quantize_mxfp4(x)
-    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32)), "quantize modified its input"

@@ -193,5 +193,5 @@ def test_inputs_not_modified(kx):
     x, W = make_gemm_inputs(3, 128, 64, 5)
     xs, Ws = x.clone(), W.clone()
     run_plain(kx, W, x)
-    assert torch.equal(x.view(torch.int16), xs.view(torch.int16))
-    assert torch.equal(W.view(torch.int16), Ws.view(torch.int16))
+    assert torch.equal(x.view(torch.int16), xs.view(torch.int16)), "x was modified"
+    assert torch.equal(W.view(torch.int16), Ws.view(torch.int16)), "W was modified"

@@ -133,7 +133,8 @@ def test_strided_x_and_out(kx, weights):
     g.run(xbuf[1:1 + M, 128:])
     sync_or_die("strided")
     assert_gemm_close(ov, want_for(x, W), abs_products(x, W), f"strided M={M} N={N} K={K}", bf16=True)
-    assert count_bits(big[:, :32], 0x1234) == M * 32 and count_bits(big[:, 32 + N:], 0x1234) == M * 32
+    assert count_bits(big[:, :32], 0x1234) == M * 32 and count_bits(big[:, 32 + N:], 0x1234) == M * 32, (
+        f"strided M={M} N={N} K={K}: bytes outside the view changed")
 
 
 @pytest.mark.parametrize("M", [1, 16, 64])

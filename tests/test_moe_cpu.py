@@ -15,13 +15,16 @@ import torch
 
 from moe_check import Layer, bitwise_equal, check_close, check_combined_matches_rows
 from shapes import (K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids, make_route_weights,
-                    make_weights, make_x, make_x_varied, poison_, seed_of)
+                    make_weights, make_x, make_x_varied, poison_, rel_fro, seed_of)
 
 
 @pytest.fixture(scope="module")
 def model_layers(kx, weights_for):
     """The two model shards, built once for this module (random FP4 bytes, scales ~2^-8)."""
-    return {s["name"]: Layer(kx, s, weights_for(s, seed=0)) for s in (K3_TP8, TP16)}
+    layers = {s["name"]: Layer(kx, s, weights_for(s, seed=0)) for s in (K3_TP8, TP16)}
+    yield layers
+    for layer in layers.values():  # the reference's dequantized experts: up to GBs
+        layer.cache.clear()
 
 
 def _inputs(layer, B, seed, varied=False):
@@ -33,7 +36,7 @@ def _inputs(layer, B, seed, varied=False):
 
 
 # --------------------------------------------------------------------------- model shapes
-MODEL_CASES = [(K3_TP8, 1), (K3_TP8, 2), (K3_TP8, 5), (TP16, 1), (TP16, 4)]
+MODEL_CASES = [(K3_TP8, 1), (K3_TP8, 2), (K3_TP8, 5), (K3_TP8, 16), (TP16, 1), (TP16, 4)]
 
 
 @pytest.mark.parametrize("shape,B", MODEL_CASES, ids=lambda p: p["name"] if isinstance(p, dict) else f"B{p}")
@@ -251,3 +254,37 @@ def test_inputs_not_modified(small_layers):
     xs, idss, rws = x.clone(), ids.clone(), rw.clone()
     layer.run(x, ids, rw)
     assert bitwise_equal(x, xs) and torch.equal(ids, idss) and torch.equal(rw, rws)
+
+
+def check_per_token(out, want, B, rows_per_token, what, rtol=2e-2):
+    """Per-token relative error (tokens of very different magnitudes): zero reference
+    rows must come out exactly zero."""
+    for t in range(B):
+        o = out[t * rows_per_token:(t + 1) * rows_per_token]
+        w = want[t * rows_per_token:(t + 1) * rows_per_token]
+        assert not bool(torch.isnan(o).any()), f"{what}: token {t} has NaN"
+        if bool((w == 0).all()):
+            assert bool((o == 0).all()), f"{what}: token {t} should be exactly zero"
+            continue
+        err = rel_fro(o.float(), w)
+        assert err < rtol, f"{what}: token {t} relative error {err:.3e}"
+
+
+def test_extreme_token_magnitudes(small_layers):
+    """Explicit edge cases: tokens of 1e-30 (FC1 ~1e-32: h underflows to 0), 1e-8, 1e20
+    and 1e30 (FC1 far past the caps), all +0.0 and all -0.0: each matches the reference
+    on its own scale, zero tokens give exactly zero rows, nothing is NaN."""
+    layer = small_layers["h192-i96-e7-k3"]
+    K, H = layer.top_k, layer.hidden
+    seed = seed_of("extreme")
+    mags = [1e-30, 1e-8, 1.0, 1e20, 1e30, 0.0, -0.0]
+    x = make_x(len(mags), H, seed).float()
+    for t, m in enumerate(mags):
+        x[t] = x[t] * m if m != 0 else torch.full((H,), m)
+    x = x.to(torch.bfloat16)
+    ids = make_ids(len(mags), K, layer.shape["E"], seed)
+    rw = make_route_weights(len(mags), K, seed)
+    what = f"{layer.describe()} magnitudes={mags} seed={seed}"
+    check_per_token(layer.run(x, ids), layer.reference(x, ids), len(mags), K, what + " rows")
+    check_per_token(layer.run(x, ids, rw), layer.reference(x, ids, rw), len(mags), 1,
+                    what + " combined")

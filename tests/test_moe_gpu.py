@@ -15,8 +15,9 @@ import torch
 from gpu_util import sync_or_die, to_cuda
 from moe_check import (Layer, bitwise_equal, check_close, check_combined_matches_rows,
                        check_rows_close)
-from shapes import (FINITE_SENTINEL, K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids, make_route_weights,
-                    make_weights, make_x, make_x_varied, poison_, ref, seed_of, shape_id)
+from shapes import (FINITE_SENTINEL, K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids,
+                    make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
+                    seed_of, shape_id)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -195,6 +196,36 @@ def test_nonfinite_x(kx, gpu_layers, value):
     check_close(out2, layer.reference(x2, ids2), what + " next clean call")
 
 
+def test_nonfinite_weights(kx, gpu_layers):
+    """A NaN scale in expert 1's w13 poisons every row routed to expert 1; one in expert
+    2's w2 row 33 poisons column 33 of rows routed to expert 2 only; no hang."""
+    base = gpu_layers["tp16"]
+    w13, s13, w2, s2 = (t.clone() for t in base.weights)
+    s13[1, 7, 0] = 0xFF
+    s2[2, 33, 1] = 0xFF
+    lay = Layer(kx, TP16, (w13, s13, w2, s2))
+    B = 6
+    seed = seed_of("gpu-nan-weights")
+    x, ids, _ = _inputs(lay, B, seed)
+    ids[0, :4] = torch.tensor([1, 2, 0, 3], dtype=torch.int32, device=DEV)
+    ids[1, :4] = torch.tensor([2, 2, 1, 9], dtype=torch.int32, device=DEV)
+    what = f"{lay.describe()} B={B} seed={seed} s13[1,7,0]=s2[2,33,1]=0xFF"
+    out = lay.run(x, ids, poison=FINITE_SENTINEL)
+    sync_or_die(what)
+    flat = ids.reshape(-1).tolist()
+    nan = torch.isnan(out).cpu()
+    for r, e in enumerate(flat):
+        cols = torch.nonzero(nan[r]).flatten().tolist()
+        if e == 1:
+            assert len(cols) == TP16["H"], f"{what}: row {r} (expert 1) not all NaN"
+        elif e == 2:
+            assert cols == [33], f"{what}: row {r} (expert 2) NaN columns {cols[:8]}, want [33]"
+        else:
+            assert not cols, f"{what}: row {r} (expert {e}) has NaN"
+    good = [r for r, e in enumerate(flat) if e not in (1, 2)]
+    check_rows_close(out, lay.reference(x, ids), what, good)
+
+
 def test_all_tokens_nan(kx, gpu_layers):
     layer = gpu_layers["tp16"]
     B = 16
@@ -246,6 +277,27 @@ def test_bad_ids(kx, gpu_layers):
     layer.moe.check()
 
 
+def test_bad_id_record_survives_other_layers(kx, gpu_layers):
+    """Layer A meets a bad id, layer B runs clean on the same scratch and stream:
+    A.check() still raises for A's (token, slot)."""
+    a = gpu_layers["tp16"]
+    b = Layer(kx, TP16, a.weights, hidden_scale="floor", cache=a.cache)
+    shared = kx.scratch(a.moe, b.moe)
+    B, E = 5, a.shape["E"]
+    x, ids, _ = _inputs(a, B, seed_of("gpu-shared-record"))
+    bad = ids.clone()
+    bad[4, 11] = E + 1
+    a.run(x, bad, scratch=shared, poison=FINITE_SENTINEL)
+    b.run(x, ids, scratch=shared)
+    sync_or_die("shared record")
+    with pytest.raises(kx.BadRoutingError) as info:
+        a.moe.check()
+    msg = str(info.value)
+    assert ("ids[4, 11]" in msg or ("4" in msg and "11" in msg)) and str(E + 1) in msg, msg
+    a.moe.check()
+    b.moe.check()
+
+
 def test_device_mismatch_errors(kx, gpu_layers, scratches):
     layer = gpu_layers["tp16"]
     B, K, H = 2, layer.top_k, layer.hidden
@@ -295,7 +347,7 @@ def test_cuda_graph_capture_replay(kx, gpu_layers, k3_twin, B):
     layer = gpu_layers["k3-tp8"]
     moe, K, H = layer.moe, layer.top_k, layer.hidden
     scr = kx.scratch(moe)
-    x_s, ids_s, rw_s = _inputs(layer, B, 0)
+    x_s, ids_s, _ = _inputs(layer, B, 0)
     rows = torch.empty((B * K, H), dtype=torch.bfloat16, device=DEV)
     moe.prepare(B, scr, rows)
     g = _graph_capture(lambda: moe.run(x_s, ids_s))
