@@ -713,7 +713,12 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
   if (L.bytes > max_smem) return cudaErrorInvalidConfiguration;
-  err = cudaFuncSetAttribute(experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
+  /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
+   * layer configured later cannot break a larger one */
+  cudaFuncAttributes attrs;
+  err = cudaFuncGetAttributes(&attrs, experts_kernel);
+  if (err == cudaSuccess && attrs.maxDynamicSharedSizeBytes < L.bytes)
+    err = cudaFuncSetAttribute(experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
   if (err != cudaSuccess) return err;
   /* the CTAs hand work to each other through counters: all must be resident at once */
   int per_sm = 0;

@@ -146,8 +146,8 @@ class PersistentExperts(_C.Experts):
         CudaError
             A CUDA launch failed.
         """
-        if stream is None and self.device != "cpu":
-            stream = resolve_stream(None, x)
+        if self.device != "cpu":
+            stream = resolve_stream(stream, x)
         return super().run(x, ids, weights, stream=stream, validate=validate)
 
     def check(self, *, stream=None) -> None:

@@ -79,6 +79,6 @@ class WsGemm(_C.WsGemm):
         -------
         ``out``, or the tuple ``(logits, latent)``, as given to prepare().
         """
-        if stream is None and self.device != "cpu":
-            stream = resolve_stream(None, x)
+        if self.device != "cpu":
+            stream = resolve_stream(stream, x)
         return super().run(x, stream=stream)
