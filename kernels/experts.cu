@@ -5,27 +5,32 @@
  *   out[t K + j] = bf16(W2[e] . hq)   or, combined, z[t] = bf16(sum_j w[t,j] out[t K + j]).
  *
  * Why it is shaped this way: decode is memory-bound (k3-tp8 B=1 reads 35 MB of FP4 and
- * does almost no math), so the kernel is a weight stream. One CTA per SM: a producer
- * warp fills a 6-stage shared-memory ring with weight chunks (moe_layout.cuh) and the
- * matching activation rows; 8 consumer warps widen FP4 to
- * e4m3 in registers, run mma.sync m16n8k32 e4m3 (weights on the 16-row side, tokens on
- * the 8-column side), and fold the two E8M0 scales of each 32-block into fp32
- * accumulators. The weights come in one 17 KB bulk copy per stage (the copy engine is
- * paid per copy, so activations never take a copy of their own); the producer warp's
- * 32 lanes fetch the activation rows with 16-byte cp.async into the same stage. Tiles are dealt round-robin over the grid: all FC1 tiles first, then
- * all FC2 tiles, so FC2 weights stream while the last FC1 tiles finish.
+ * does almost no math), so the kernel is a weight stream. One CTA per SM, 14 warps:
+ *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
+ *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
+ *   - an activation producer copies the unit's activation rows into the same stage with
+ *     16-byte cp.async, waiting for them where other CTAs produce them;
+ *   - 8 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
+ *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
+ *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
+ *     8-column side) and fold the two E8M0 scales of each 32-block into fp32 sums;
+ *   - 4 epilogue warps take each tile's partial sums, so the MMA warps never wait on
+ *     global memory.
+ * Tiles are dealt round-robin over the grid: all FC1 tiles first, then all FC2 tiles, so
+ * FC2 weights stream while the last FC1 tiles finish.
  *
  * Phases inside the launch (no grid-wide barrier on the weight path):
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch);
  *   1. every CTA routes all pairs itself (route.cuh) -> units of <= 8 tokens;
- *   2. consumers quantize their share of x to MXFP8 in scratch; a counter says done
- *      (the producer waits for it only before the first activation copy);
- *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 8 warps split K
- *      and reduce in a fixed order (deterministic), apply SiTU, store h (fp32). The CTA
- *      that finishes a unit's last FC1 tile quantizes its h to MXFP8 and releases it;
- *   4. FC2 tile = 64 or 128 output rows of one unit; its producer waits for the unit's hidden
- *      rows before copying them (the weights are already on their way); bf16 results
+ *   2. the MMA warps quantize their share of x to MXFP8 in scratch; a counter says done
+ *      (the activation producer waits for it before the first activation copy);
+ *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 8 warps split K,
+ *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
+ *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
+ *      and releases it;
+ *   4. FC2 tile = 64 or 128 output rows of one unit; the activation producer waits for
+ *      the unit's hidden rows (the weights are already on their way); bf16 results
  *      go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
  *      slot order.

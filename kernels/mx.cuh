@@ -23,10 +23,9 @@
 namespace kx {
 
 constexpr int kMxBlock = 32;           /* elements sharing one scale */
-constexpr float kE4m3Max = 448.0f;
 constexpr int kE8m0Bias = 127;
 constexpr uint8_t kE8m0Nan = 0xFF;
-constexpr uint8_t kE4m3Nan = 0x7F;
+constexpr uint32_t kE4m3NanX4 = 0x7F7F7F7Fu; /* four e4m3 NaN codes */
 constexpr float kFp4AsF16Gain = 16384.0f; /* 2^14: undoes the placement in decode_fp4x8 */
 
 /* 2^(s-127) as fp32 with s = 0 (a subnormal) and s = 0xFF (NaN) exact. */
@@ -94,7 +93,7 @@ __device__ __forceinline__ uint8_t quantize_block32(const float (&v)[kMxBlock], 
   }
   if (!finite) {
 #pragma unroll
-    for (int i = 0; i < kMxBlock / 4; ++i) q[i] = 0x7F7F7F7Fu;
+    for (int i = 0; i < kMxBlock / 4; ++i) q[i] = kE4m3NanX4;
     return kE8m0Nan;
   }
   int e = mxfp8_exponent(amax, floor_mode);

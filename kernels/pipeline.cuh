@@ -1,8 +1,9 @@
 /* pipeline.cuh: the few sm_90 primitives the kernels are built from, written once.
  *
- * - mbarrier ring: a producer warp fills shared-memory stages with bulk copies
- *   (cp.async.bulk, completion counted in bytes on the stage's "full" barrier);
- *   consumer warps arrive on the stage's "empty" barrier when done with it.
+ * - mbarrier ring: producer warps fill shared-memory stages with bulk copies
+ *   (cp.async.bulk, completion counted in bytes on the stage's "full" barrier) and
+ *   cp.async (counted as arrivals); consumer warps arrive on the stage's "empty"
+ *   barrier when done with it.
  * - cross-CTA hand-off through global counters with release/acquire at GPU scope.
  * - programmatic dependent launch (griddepcontrol).
  */
@@ -52,14 +53,8 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   return policy;
 }
 
-/* bytes % 16 == 0, both addresses 16-byte aligned. */
-__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-
-/* The same for data read once (weights): ask L2 to drop it first. */
+/* Bulk copy global -> shared counted on an mbarrier, for data read once (weights): ask
+ * L2 to drop it first. bytes % 16 == 0, both addresses 16-byte aligned. */
 __device__ __forceinline__ void bulk_copy_streaming(void *dst, const void *src, uint32_t bytes,
                                                     uint64_t *bar, uint64_t policy) {
   asm volatile(
@@ -77,13 +72,6 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
  * (noinc: that arrival is part of the count the barrier was initialized with). */
 __device__ __forceinline__ void cp_async_arrive(uint64_t *bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-/* Orders this thread's generic-proxy global accesses with later bulk copies (async
- * proxy): data written by ordinary stores elsewhere and acquired here is then what the
- * copy engine reads. */
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 /* ---- cross-CTA counters (GPU scope) ---- */
