@@ -23,6 +23,7 @@ from .experts import PersistentExperts, Scratch, scratch
 from .formats import (as_bfloat16, bf16_to_float32, dequantize, float32_to_bf16,
                       quantize_mxfp4, quantize_mxfp8)
 from .gemm import WsGemm
+from .parallel import TensorParallelExperts, shard
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "KimiExpertsError",
     "PersistentExperts",
     "Scratch",
+    "TensorParallelExperts",
     "WsGemm",
     "as_bfloat16",
     "backend_info",
@@ -42,6 +44,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp8",
     "scratch",
+    "shard",
 ]
 
 _BACKEND_INFO: dict | None = None
