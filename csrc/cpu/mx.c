@@ -280,9 +280,11 @@ static const void *row_at(const void *x, kx_elem_type type, int64_t r, int64_t s
   return (const char *)x + (size_t)(r * stride) * elem_size(type);
 }
 
-void kx_cpu_quantize_mxfp8(const void *x, kx_elem_type type, int64_t rows, int64_t cols,
-                           int64_t x_row_stride, kx_scale_mode mode, uint8_t *q,
-                           uint8_t *scales) {
+/* One block quantizer for both formats: `nibbles` says whether elements are packed two
+ * per byte (MXFP4) or one per byte (MXFP8, with its scale mode). */
+static void quantize_rows(const void *x, kx_elem_type type, int64_t rows, int64_t cols,
+                          int64_t x_row_stride, int nibbles, kx_scale_mode mode, uint8_t *q,
+                          uint8_t *scales) {
   const int64_t blocks = cols / KX_MX_BLOCK;
   KX_OMP(parallel for schedule(static))
   for (int64_t r = 0; r < rows; ++r) {
@@ -290,23 +292,22 @@ void kx_cpu_quantize_mxfp8(const void *x, kx_elem_type type, int64_t rows, int64
     for (int64_t b = 0; b < blocks; ++b) {
       float v[KX_MX_BLOCK];
       widen_block(row, type, b * KX_MX_BLOCK, v);
-      scales[r * blocks + b] = quantize_block_mxfp8(v, mode, q + r * cols + b * KX_MX_BLOCK);
+      const int64_t at = r * cols + b * KX_MX_BLOCK;
+      scales[r * blocks + b] = nibbles ? quantize_block_mxfp4(v, q + at / 2)
+                                       : quantize_block_mxfp8(v, mode, q + at);
     }
   }
 }
 
+void kx_cpu_quantize_mxfp8(const void *x, kx_elem_type type, int64_t rows, int64_t cols,
+                           int64_t x_row_stride, kx_scale_mode mode, uint8_t *q,
+                           uint8_t *scales) {
+  quantize_rows(x, type, rows, cols, x_row_stride, 0, mode, q, scales);
+}
+
 void kx_cpu_quantize_mxfp4(const void *x, kx_elem_type type, int64_t rows, int64_t cols,
                            int64_t x_row_stride, uint8_t *q, uint8_t *scales) {
-  const int64_t blocks = cols / KX_MX_BLOCK;
-  KX_OMP(parallel for schedule(static))
-  for (int64_t r = 0; r < rows; ++r) {
-    const void *row = row_at(x, type, r, x_row_stride);
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[KX_MX_BLOCK];
-      widen_block(row, type, b * KX_MX_BLOCK, v);
-      scales[r * blocks + b] = quantize_block_mxfp4(v, q + (r * cols + b * KX_MX_BLOCK) / 2);
-    }
-  }
+  quantize_rows(x, type, rows, cols, x_row_stride, 1, KX_SCALE_RCEIL, q, scales);
 }
 
 void kx_cpu_dequantize_mxfp8(const uint8_t *q, const uint8_t *scales, int64_t rows,
