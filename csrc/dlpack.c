@@ -467,13 +467,17 @@ int kx_check_contiguous(const kx_tensor *t, const char *arg) {
     expect *= t->shape[i];
   }
   if (ok || expect == 0) return 0;
+  return kx_raise_layout(t, arg, "a contiguous tensor");
+}
+
+int kx_raise_layout(const kx_tensor *t, const char *arg, const char *expected) {
   char strides[160], shape[160];
   kx_shape_str(t->ndim, t->strides, strides, sizeof strides);
   kx_shape_str(t->ndim, t->shape, shape, sizeof shape);
   PyErr_Format(PyExc_ValueError,
-               "%s: expected a contiguous tensor, got strides %s for shape %s "
+               "%s: expected %s, got strides %s for shape %s "
                "(make it contiguous, e.g. .contiguous())",
-               arg, strides, shape);
+               arg, expected, strides, shape);
   return -1;
 }
 

@@ -54,16 +54,7 @@ static int as_rows(const kx_tensor *t, const char *arg, int64_t *rows, int64_t *
   }
   if (stride < 0) stride = cols;
   ok = ok && (n <= 1 || cols == 0 || stride >= cols);
-  if (!ok) {
-    char strides[160], shape[160];
-    kx_shape_str(t->ndim, t->strides, strides, sizeof strides);
-    kx_shape_str(t->ndim, t->shape, shape, sizeof shape);
-    PyErr_Format(PyExc_ValueError,
-                 "%s: expected a contiguous last dimension and evenly strided rows, got strides "
-                 "%s for shape %s (make it contiguous, e.g. .contiguous())",
-                 arg, strides, shape);
-    return -1;
-  }
+  if (!ok) return kx_raise_layout(t, arg, "a contiguous last dimension and evenly strided rows");
   *rows = n;
   *row_stride = stride;
   return 0;
