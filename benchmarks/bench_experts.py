@@ -20,7 +20,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_replay_time_us, measure_hbm_read_bandwidth, print_table, write_json  # noqa: E402
+from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
+                    random_mxfp4_layer, routed_ids, write_json)
 
 SHAPES = {
     "k3-tp8": dict(H=3584, I=384, E=384, top_k=16, hidden_scale="floor"),
@@ -29,31 +30,11 @@ SHAPES = {
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def random_layer(torch, shape, seed):
-    """Random MXFP4 weights with realistic scales (about 2^-8), straight in the kernel's input form."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    E, H, I = shape["E"], shape["H"], shape["I"]
-
-    def fp4(*size):
-        return torch.randint(0, 256, size, dtype=torch.uint8, device="cuda", generator=g)
-
-    def scales(*size):
-        return torch.randint(118, 122, size, dtype=torch.uint8, device="cuda", generator=g)
-
-    return fp4(E, 2 * I, H // 2), scales(E, 2 * I, H // 32), fp4(E, H, I // 2), scales(E, H, I // 32)
-
-
-def routed_ids(torch, B, top_k, E, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(B)]).to(torch.int32)
-    return ids.cuda()
-
-
 def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm):
     top_k = shape["top_k"]
     moes = []
     for l in range(layers):
-        w = random_layer(torch, shape, seed=1000 + l)
+        w = random_mxfp4_layer(torch, shape["E"], shape["H"], shape["I"], seed=1000 + l)
         moes.append(kx.PersistentExperts(*w, top_k=top_k, hidden_scale=shape["hidden_scale"]))
         del w
     torch.cuda.empty_cache()
@@ -62,7 +43,7 @@ def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm):
     rows = []
     for B in batches:
         x = torch.randn(B, shape["H"], device="cuda").to(torch.bfloat16)
-        ids = routed_ids(torch, B, top_k, shape["E"], seed=B)
+        ids = routed_ids(torch, torch.Generator().manual_seed(B), B, top_k, shape["E"]).cuda()
         out = torch.empty(B * top_k, shape["H"], dtype=torch.bfloat16, device="cuda")
         for m in moes:
             m.prepare(B, scratch, out)

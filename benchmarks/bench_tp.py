@@ -33,7 +33,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_replay_time_us, measure_hbm_read_bandwidth, print_table, write_json  # noqa: E402
+from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
+                    random_mxfp4_layer, routed_ids, write_json)
 
 SHAPE = dict(H=3584, I=3072, E=384, top_k=16, hidden_scale="floor")  # the full expert width
 TP_SIZES = [1, 2, 4, 8]
@@ -68,23 +69,14 @@ def parse_args(argv=None):
 
 def random_shard(torch, tp, rank, seed):
     """Random MXFP4 bytes with realistic scales (about 2^-8) for one rank's shard."""
-    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
-    E, H, i = SHAPE["E"], SHAPE["H"], SHAPE["I"] // tp
-
-    def fp4(*size):
-        return torch.randint(0, 256, size, dtype=torch.uint8, device="cuda", generator=g)
-
-    def scales(*size):
-        return torch.randint(118, 122, size, dtype=torch.uint8, device="cuda", generator=g)
-
-    return fp4(E, 2 * i, H // 2), scales(E, 2 * i, H // 32), fp4(E, H, i // 2), scales(E, H, i // 32)
+    return random_mxfp4_layer(torch, SHAPE["E"], SHAPE["H"], SHAPE["I"] // tp, seed * 1000 + rank)
 
 
 def routed_inputs(torch, B):
     """x, ids (no repeats in a token), routing weights: the same on every rank."""
     g = torch.Generator().manual_seed(B)
     E, K = SHAPE["E"], SHAPE["top_k"]
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B)]).to(torch.int32)
+    ids = routed_ids(torch, g, B, K, E)
     x = torch.randn(B, SHAPE["H"], generator=g).to(torch.bfloat16)
     w = torch.rand(B, K, generator=g)
     return x.cuda(), ids.cuda(), (w / w.sum(1, keepdim=True)).cuda()

@@ -100,6 +100,28 @@ def measure_hbm_read_bandwidth(nbytes: int = 4 << 30, replays: int = 20) -> floa
     return nbytes / (us * 1e-6) / 1e12
 
 
+def random_mxfp4_layer(torch, experts: int, hidden: int, inter: int, seed: int):
+    """(w13, s13, w2, s2) on the GPU: random e2m1 bytes under E8M0 scales 118..121
+    (values about 2^-8, realistic), straight in the standard layout."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def fp4(*size):
+        return torch.randint(0, 256, size, dtype=torch.uint8, device="cuda", generator=g)
+
+    def scales(*size):
+        return torch.randint(118, 122, size, dtype=torch.uint8, device="cuda", generator=g)
+
+    E, H, I = experts, hidden, inter
+    return fp4(E, 2 * I, H // 2), scales(E, 2 * I, H // 32), fp4(E, H, I // 2), scales(E, H, I // 32)
+
+
+def routed_ids(torch, generator, batch: int, top_k: int, experts: int):
+    """int32 [batch, top_k] on the CPU: top_k distinct experts per token, uniformly at
+    random (what a serving router produces), drawn from `generator`."""
+    return torch.stack([torch.randperm(experts, generator=generator)[:top_k]
+                        for _ in range(batch)]).to(torch.int32)
+
+
 def write_json(path: str, rows: Sequence[Mapping], command: str | None = None, **meta) -> None:
     """Write ``{"date", "git_commit", "command", "gpu", **meta, "rows"}`` to ``path``."""
     doc = {

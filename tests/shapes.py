@@ -111,16 +111,19 @@ def make_x(B, H, seed, std=1.0, device="cpu"):
     return (torch.randn((B, H), generator=g) * std).to(torch.bfloat16).to(device)
 
 
-def make_x_varied(B, H, seed, device="cpu"):
-    """bf16 [B, H] with per-token magnitudes spanning 1e-3..1e2 and a few outlier
-    channels (exercises the per-block MXFP8 scales)."""
+def make_x_varied(B, H, seed, device="cpu", magnitudes=True, outliers=True):
+    """bf16 [B, H] with per-token magnitudes spanning 1e-3..1e2 and a few x20 outlier
+    channels (exercises the per-block MXFP8 scales). Either ingredient can be left out;
+    the random draws are the same either way."""
     g = gen(seed)
     x = torch.randn((B, H), generator=g)
     mags = torch.pow(10.0, torch.randint(-3, 3, (B, 1), generator=g).float())
-    x = x * mags
+    if magnitudes:
+        x = x * mags
     n_out = max(1, H // 256)
     cols = torch.randint(0, H, (n_out,), generator=g)
-    x[:, cols] *= 20.0
+    if outliers:
+        x[:, cols] *= 20.0
     return x.to(torch.bfloat16).to(device)
 
 
