@@ -64,7 +64,7 @@ constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
 constexpr int kActRowBytes = kMaxChunkKb * kActBlockBytes + 64; /* +64: 16-byte loads of 8 rows hit all banks */
-constexpr int kActScaleFloats = kMaxChunkKb;
+constexpr int kActScaleFloats = kMaxChunkKb + 4; /* +4: tokens 2t (and 2t+1) of a quad land in 4 different banks */
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 constexpr int kStageBytes = kStageWeightBytes + kStageActBytes + kGroupTokens * kActScaleFloats * 4;
@@ -239,6 +239,34 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
   *scale_dst = e8m0_to_float(s);
 }
 
+/* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
+ * after the other and the first unit's MMAs start while the rest are in flight; the
+ * compiler would otherwise group them by type and the first MMA would wait for all
+ * (measured: 15 % of the layer time at B = 8). */
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float lds32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
 struct Stage {
   uint8_t *weights, *act;
   float *act_scale;
@@ -258,8 +286,9 @@ struct TileRef {
 __device__ __forceinline__ TileRef tile_ref(const Params &p, int index, int fc1_tiles) {
   const bool fc1 = index < fc1_tiles;
   const int i = fc1 ? index : index - fc1_tiles;
-  const int per_unit = fc1 ? p.fc1.tiles : p.fc2.tiles;
-  return TileRef{fc1, i / per_unit, i % per_unit};
+  const PhaseShape &ph = fc1 ? p.fc1 : p.fc2;
+  const int unit = ph.per_tiles(i);
+  return TileRef{fc1, unit, i - unit * ph.tiles};
 }
 
 /* ---- producers: the copy streams ------------------------------------------------------ */
@@ -365,25 +394,28 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
 }
 
 /* ---- consumers: decode + MMA over one tile's chunks ------------------------------------ */
-/* One warp's kUnits units of a stage: every shared-memory load first, then the stage is
- * released, then decode + MMA with no branch between units, so the scheduler overlaps
- * one unit's loads, decode and MMAs with the next's. */
-template <int kUnits>
-__device__ __forceinline__ void consume_units(const Stage &st, const uint8_t *scales, int strip, int nkb, int k_slot,
-                                              int k_step, uint64_t *empty, float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+/* Where one warp's units of a stage start (its first k-block), as shared addresses; unit
+ * j is kStep k-blocks further, a compile-time offset. */
+struct UnitBase {
+  uint32_t weights, scales, act, act_scale;
+};
+
+/* One warp's kUnits units of a stage: every shared-memory load first (unit by unit),
+ * then the stage is released, then decode + MMA with no branch between units. */
+template <int kUnits, int kStep>
+__device__ __forceinline__ void consume_units(const UnitBase &u, uint64_t *empty, float (&acc)[4]) {
+  const int lane = threadIdx.x & 31;
   uint2 w[kUnits];
   uint4 b[kUnits];
   uint32_t sw[kUnits];
   float sx0[kUnits], sx1[kUnits];
 #pragma unroll
   for (int j = 0; j < kUnits; ++j) {
-    const int kb = k_slot + j * k_step, unit = strip * nkb + kb;
-    w[j] = *reinterpret_cast<const uint2 *>(st.weights + unit * kUnitWeightBytes + lane * 8);
-    sw[j] = *reinterpret_cast<const uint16_t *>(scales + unit * kUnitScaleBytes + 2 * g);
-    b[j] = *reinterpret_cast<const uint4 *>(st.act + g * kActRowBytes + kb * kActBlockBytes + 16 * t);
-    sx0[j] = st.act_scale[(2 * t) * kActScaleFloats + kb];
-    sx1[j] = st.act_scale[(2 * t + 1) * kActScaleFloats + kb];
+    w[j] = lds64(u.weights + j * kStep * kUnitWeightBytes);
+    b[j] = lds128(u.act + j * kStep * kActBlockBytes);
+    sx0[j] = lds32(u.act_scale + 4 * j * kStep);
+    sx1[j] = lds32(u.act_scale + 4 * (kActScaleFloats + j * kStep));
+    sw[j] = lds16(u.scales + j * kStep * kUnitScaleBytes);
   }
   __syncwarp();
   if (lane == 0) mbar_arrive(empty); /* everything of this stage is in registers */
@@ -403,11 +435,32 @@ __device__ __forceinline__ void consume_units(const Stage &st, const uint8_t *sc
   }
 }
 
+/* The unit count is warp-uniform: a full chunk gives every warp 8 units. */
+template <int kStep>
+__device__ __forceinline__ void consume_chunk(int nkb, int k_slot, const UnitBase &u, uint64_t *empty,
+                                              float (&acc)[4]) {
+  const int units = nkb > k_slot ? (nkb - k_slot + kStep - 1) / kStep : 0;
+  switch (units) {
+    case 8: consume_units<8, kStep>(u, empty, acc); break;
+    case 7: consume_units<7, kStep>(u, empty, acc); break;
+    case 6: consume_units<6, kStep>(u, empty, acc); break;
+    case 5: consume_units<5, kStep>(u, empty, acc); break;
+    case 4: consume_units<4, kStep>(u, empty, acc); break;
+    case 3: consume_units<3, kStep>(u, empty, acc); break;
+    case 2: consume_units<2, kStep>(u, empty, acc); break;
+    case 1: consume_units<1, kStep>(u, empty, acc); break;
+    default: /* this warp has no k-block in this chunk */
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(empty);
+      break;
+  }
+}
+
 /* acc: rows g / g+8 x token columns 2t / 2t+1 of this warp's strip, summed over this
  * warp's k-blocks (a fixed set in a fixed order, so the result is deterministic). */
 __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, int &it,
                                              float (&acc)[4]) {
-  const int warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int strip = warp % ph.strips, k_slot = warp / ph.strips, k_step = kConsumerWarps / ph.strips;
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
@@ -418,22 +471,15 @@ __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, con
     const int s = it % kStages;
     const Stage st = stage_at(smem, p.smem, s);
     mbar_wait(&full[s], (it / kStages) & 1);
-    const int nkb = ph.chunk_k_blocks(c);
-    const uint8_t *scales = st.weights + ph.strips * nkb * kUnitWeightBytes;
-    const int units = nkb > k_slot ? (nkb - k_slot + k_step - 1) / k_step : 0;
-    switch (units) { /* a full chunk gives every warp 8 units; the count is warp-uniform */
-      case 8: consume_units<8>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 7: consume_units<7>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 6: consume_units<6>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 5: consume_units<5>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 4: consume_units<4>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 3: consume_units<3>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 2: consume_units<2>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      case 1: consume_units<1>(st, scales, strip, nkb, k_slot, k_step, &empty[s], acc); break;
-      default: /* this warp has no k-block in this chunk */
-        __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[s]);
-        break;
+    const int nkb = ph.chunk_k_blocks(c), first_unit = strip * nkb + k_slot;
+    const UnitBase u{smem_addr(st.weights + first_unit * kUnitWeightBytes + lane * 8),
+                     smem_addr(st.weights + ph.strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
+                     smem_addr(st.act + g * kActRowBytes + k_slot * kActBlockBytes + 16 * t),
+                     smem_addr(st.act_scale + 2 * t * kActScaleFloats + k_slot)};
+    switch (k_step) { /* 8 warps over 2, 4 or 8 strips */
+      case 4: consume_chunk<4>(nkb, k_slot, u, &empty[s], acc); break;
+      case 2: consume_chunk<2>(nkb, k_slot, u, &empty[s], acc); break;
+      default: consume_chunk<1>(nkb, k_slot, u, &empty[s], acc); break;
     }
   }
 }

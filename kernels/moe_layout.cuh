@@ -42,16 +42,32 @@ constexpr int kMaxChunkKb = kFc1ChunkKb;
 constexpr int kChunkMaxBytes = kUnitsPerChunk * kUnitBytes;
 static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
+/* Where the packer puts the nibbles of one 32-bit word so that decode_fp4x8 (mx.cuh)
+ * is cheap. f16x2 register i takes a sign bit at 15 / 31 and the magnitude bits e1 e0 m
+ * at 11..9 / 27..25, from the word shifted left by sign_shift(i) and mag_shift(i): word
+ * bit p - shift holds register bit p. Left shifts run as IMAD on the FMA pipe; the masks
+ * are LOP3 on the integer pipe, which issues at half rate on sm_90 and bounds the
+ * decode. No four shifts of one 8-bit pattern tile the word, so two registers take
+ * sign and magnitude apart: 6 LOP3 + 5 IMAD per word, the fewest integer-pipe
+ * operations (searched exhaustively); the plain nibble order needs 8 + 8. */
+KX_HOST_DEVICE constexpr int sign_shift(int i) { return i == 0 ? 1 : i == 1 ? 2 : i == 2 ? 3 : 0; }
+KX_HOST_DEVICE constexpr int mag_shift(int i) { return i == 0 ? 9 : i == 1 ? 6 : i == 2 ? 3 : 0; }
+
 /* One GEMM of the layer in tile terms. */
 struct PhaseShape {
   int strips;      /* strips per tile */
   int chunk_kb;    /* k-blocks per full chunk */
   int k_blocks;    /* K / 32 */
   int tiles;       /* tiles per expert */
+  int n_chunks;    /* chunks per tile */
+  uint64_t tiles_inv; /* ceil(2^40 / tiles): n / tiles without a division, see per_tiles */
   int64_t expert_bytes;
   int64_t base;    /* offset of this phase's region in the packed buffer */
 
-  KX_HOST_DEVICE int chunks() const { return (k_blocks + chunk_kb - 1) / chunk_kb; }
+  KX_HOST_DEVICE int chunks() const { return n_chunks; }
+  /* n / tiles for 0 <= n < 2^24 (tiles < 2^16: the rounding of tiles_inv stays below
+   * 1 / tiles); the kernels split tile indices this way on every role's hot path. */
+  KX_HOST_DEVICE int per_tiles(int n) const { return (int)(((uint64_t)n * tiles_inv) >> 40); }
   KX_HOST_DEVICE int chunk_k_blocks(int c) const {
     int left = k_blocks - c * chunk_kb;
     return left < chunk_kb ? left : chunk_kb;
@@ -66,12 +82,18 @@ struct PhaseShape {
   }
 };
 
+KX_HOST_DEVICE void finish_phase(PhaseShape *p) {
+  p->n_chunks = (p->k_blocks + p->chunk_kb - 1) / p->chunk_kb;
+  p->tiles_inv = (((uint64_t)1 << 40) + (uint64_t)p->tiles - 1) / (uint64_t)p->tiles;
+}
+
 KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
   PhaseShape p;
   p.strips = kFc1Strips;
   p.chunk_kb = kFc1ChunkKb;
   p.k_blocks = hidden / 32;
   p.tiles = inter / kStripRows;
+  finish_phase(&p);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
   p.base = 0;
   (void)experts;
@@ -84,6 +106,7 @@ KX_HOST_DEVICE PhaseShape fc2_shape(int experts, int hidden, int inter) {
   p.chunk_kb = kUnitsPerChunk / p.strips;
   p.k_blocks = inter / 32;
   p.tiles = hidden / (p.strips * kStripRows);
+  finish_phase(&p);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
   p.base = (int64_t)experts * fc1_shape(experts, hidden, inter).expert_bytes;
   return p;

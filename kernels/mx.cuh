@@ -20,6 +20,8 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "moe_layout.cuh"
+
 namespace kx {
 
 constexpr int kMxBlock = 32;           /* elements sharing one scale */
@@ -103,13 +105,14 @@ __device__ __forceinline__ uint8_t quantize_block32(const float (&v)[kMxBlock], 
   return (uint8_t)(e + kE8m0Bias);
 }
 
-/* One packed word holds 8 e2m1 nibbles for four f16x2 MMA registers: register i takes
- * nibble 3-i (low half) and nibble 7-i (high half), see pack.cu. */
+/* One packed word holds 8 e2m1 nibbles for four f16x2 MMA registers, placed by the
+ * packer per sign_shift / mag_shift (moe_layout.cuh): a left shift and a mask per part. */
 __device__ __forceinline__ void decode_fp4x8(uint32_t w, uint32_t (&reg)[4]) {
+  constexpr uint32_t kSigns = 0x80008000u, kMagnitudes = 0x0E000E00u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t x = w << (4 * i);
-    reg[i] = (x & 0x80008000u) | ((x >> 3) & 0x0E000E00u);
+    if (sign_shift(i) == mag_shift(i)) reg[i] = (w << sign_shift(i)) & (kSigns | kMagnitudes);
+    else reg[i] = ((w << sign_shift(i)) & kSigns) | ((w << mag_shift(i)) & kMagnitudes);
   }
 }
 

@@ -48,8 +48,8 @@ __global__ void pack_phase_kernel(PackSource src, PhaseShape phase, int experts,
   const int unit = s * nkb + kb_in_chunk;
 
   /* Word w feeds the four f16x2 registers of MMA w (k 16w..16w+15): register i is row
-   * g (i even) or g+8 (i odd) at k = 16w + 2t + 8(i/2) (+1 in its high half); its low
-   * element sits in nibble 3-i and its high element in nibble 7-i (decode_fp4x8).
+   * g (i even) or g+8 (i odd) at k = 16w + 2t + 8(i/2) (+1 in its high half); its bits go
+   * where decode_fp4x8 finds them (sign_shift / mag_shift).
    * A NaN block (scale 0xFF) keeps its scale and gets zero elements: the kernel reads the
    * scale as inf and 0 * inf is NaN (e8m0_to_float_nonzero). */
   const uint8_t *s_e = src.s + (int64_t)e * src.rows * (src.k / 32);
@@ -65,8 +65,13 @@ __global__ void pack_phase_kernel(PackSource src, PhaseShape phase, int experts,
       const uint8_t *row = upper ? row_g8 : row_g;
       const bool nan = upper ? nan_g8 : nan_g;
       const int k = kb * 32 + 16 * w + 2 * t + 8 * (i / 2);
-      word |= (nan ? 0u : nibble(row, k)) << (4 * (3 - i));
-      word |= (nan ? 0u : nibble(row, k + 1)) << (4 * (7 - i));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t n = nan ? 0u : nibble(row, k + half);
+        word |= (n >> 3) << (15 + 16 * half - sign_shift(i));
+#pragma unroll
+        for (int b = 0; b < 3; ++b) word |= ((n >> b) & 1u) << (9 + b + 16 * half - mag_shift(i));
+      }
     }
 #pragma unroll
     for (int b = 0; b < 4; ++b) out[4 * w + b] = (uint8_t)(word >> (8 * b));

@@ -91,6 +91,14 @@ def _table(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2.0 ** k as float64 for integer k in [-1022, 1023], built from its bits.
+    torch.ldexp / torch.pow go through the device's pow(), which on CUDA can be one ulp
+    off for some exponents: the scaled values then leave e4m3 midpoints and ties round
+    the other way (seen on an H200: 59 of 32256 codes off by one)."""
+    return ((k.long() + 1023) << 52).view(torch.float64)
+
+
 # --------------------------------------------------------------------------- scalars
 def e4m3_to_float(q) -> torch.Tensor:
     """uint8 e4m3fn bits -> float32 values (0x7F / 0xFF -> NaN)."""
@@ -108,7 +116,7 @@ def e8m0_to_float(s) -> torch.Tensor:
     """E8M0 scale bytes -> float64 2^(s-127); 0xFF -> NaN."""
     s = torch.as_tensor(s)
     e = s.long() - SCALE_BIAS
-    out = torch.ldexp(torch.ones(s.shape, dtype=torch.float64, device=s.device), e.double())
+    out = _pow2(e)
     return torch.where(s.long() == E8M0_NAN, torch.full_like(out, math.nan), out)
 
 
@@ -160,9 +168,9 @@ def _ceil_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
     """Smallest integer e with amax <= top * 2^e (amax > 0, finite, float64). Exact."""
     # frexp: amax = m * 2^p, m in [0.5, 1); top * 2^e >= amax  <=>  e >= log2(amax/top)
     guess = torch.ceil(torch.log2(amax / top)).long()
-    lo = torch.ldexp(torch.full_like(amax, top), (guess - 1).double())
+    lo = top * _pow2(guess - 1)
     guess = torch.where(lo >= amax, guess - 1, guess)
-    hi = torch.ldexp(torch.full_like(amax, top), guess.double())
+    hi = top * _pow2(guess)
     guess = torch.where(hi < amax, guess + 1, guess)
     return guess
 
@@ -218,7 +226,7 @@ def quantize_mxfp8(x, scale: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]
     finite = torch.isfinite(v).all(dim=-1)
     amax = _block_amax(torch.where(finite.unsqueeze(-1), v, torch.zeros_like(v)))
     e = mxfp8_scale_exponent(amax, scale)
-    scaled = torch.ldexp(v, (-e).double().unsqueeze(-1))  # exact power-of-two scaling
+    scaled = v * _pow2(-e).unsqueeze(-1)  # exact power-of-two scaling
     q = float_to_e4m3(scaled)
     q = torch.where(finite.unsqueeze(-1), q, torch.full_like(q, E4M3_NAN))
     s = torch.where(finite, e + SCALE_BIAS, torch.full_like(e, E8M0_NAN)).to(torch.uint8)
@@ -234,7 +242,7 @@ def quantize_mxfp4(w) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(v).all(dim=-1)
     amax = _block_amax(torch.where(finite.unsqueeze(-1), v, torch.zeros_like(v)))
     e = mxfp4_scale_exponent(amax)
-    scaled = torch.ldexp(v, (-e).double().unsqueeze(-1))
+    scaled = v * _pow2(-e).unsqueeze(-1)
     codes = float_to_e2m1(scaled)
     codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
     codes = codes.reshape(*shape[:-1], shape[-1])
