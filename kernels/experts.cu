@@ -241,8 +241,7 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
 
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
  * after the other and the first unit's MMAs start while the rest are in flight; the
- * compiler would otherwise group them by type and the first MMA would wait for all
- * (measured: 15 % of the layer time at B = 8). */
+ * compiler would otherwise group them by type and the first MMA would wait for all. */
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));

@@ -201,6 +201,24 @@ def test_wide_range_inputs_match_cpu(kx, gpu_layers, weights_for, shape, B, kind
                         f"{err:.3e}; {_worst_rows(g, c, ids, x, layer.top_k)}")
 
 
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_reference_same_on_cuda_and_cpu(mode):
+    """The oracle must not depend on the device it runs on: its quantizers on CUDA give
+    the CPU's bits for wide-range bf16 inputs (many sit exactly on e4m3 midpoints).
+    torch.ldexp on CUDA once moved 59 of 32256 codes (2026-11-29)."""
+    x = make_x_varied(64, 3584, seed_of("ref-device", mode))
+    qc, sc = ref.quantize_mxfp8(x, mode)
+    qg, sg = ref.quantize_mxfp8(x.to(DEV), mode)
+    assert torch.equal(sg.cpu(), sc), f"mode={mode}: scales differ between CUDA and CPU"
+    assert torch.equal(qg.cpu(), qc), (f"mode={mode}: {int((qg.cpu() != qc).sum())} codes differ "
+                                       "between CUDA and CPU")
+    w = make_x_varied(64, 3584, seed_of("ref-device-w", mode)).float()
+    assert all(torch.equal(a.cpu(), b) for a, b in
+               zip(ref.quantize_mxfp4(w.to(DEV)), ref.quantize_mxfp4(w))), "MXFP4 differs"
+    assert torch.equal(ref.dequantize_mxfp8(qg, sg).cpu(), ref.dequantize_mxfp8(qc, sc)), (
+        "dequantized MXFP8 differs between CUDA and CPU")
+
+
 # --------------------------------------------------------------------------- faults
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 def test_nonfinite_x(kx, gpu_layers, value):

@@ -66,6 +66,16 @@ def _mixed(rows, k, seed, dtype=torch.float32):
     return blocks.reshape(rows, k).to(dtype)
 
 
+def test_pow2_exact(ref):
+    """The reference scales by powers of two built from bits: equal to math.ldexp for
+    every exponent it can meet (the E8M0 range and the quantizers' guesses)."""
+    k = torch.arange(-1022, 1024)
+    got = ref._pow2(k)
+    assert got.dtype == torch.float64
+    want = torch.tensor([math.ldexp(1.0, int(i)) for i in k], dtype=torch.float64)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 def test_mxfp8_scale_invariants(ref, mode):
     x = _mixed(64, 256, seed_of("inv8", mode))
