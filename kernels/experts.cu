@@ -76,7 +76,7 @@ static_assert(kThreads == kRouteThreads, "the whole CTA routes");
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
 static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
-static_assert(kUnitsPerWarp == 8, "consume_tile keeps one chunk's 8 units per warp in registers");
+static_assert(kUnitsPerWarp == 8, "consume_chunk dispatches 1..8 units per warp and chunk");
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 struct SyncWords {
@@ -102,10 +102,10 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   L.unit_ready = at; at = align128(at + 4 * (int64_t)units);
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
-  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.chunks() * fc1.chunk_kb);
+  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.scale_row_floats());
   L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
   L.hq = at; at = align128(at + 2 * (int64_t)pairs * s.inter);
-  L.hs = at; at = align128(at + 4 * (int64_t)pairs * fc2.chunks() * fc2.chunk_kb);
+  L.hs = at; at = align128(at + 4 * (int64_t)pairs * fc2.scale_row_floats());
   L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
   L.total = at;
   return L;
@@ -379,14 +379,9 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       const int nkb = ph.chunk_k_blocks(c);
-      if (ref.fc1)
-        copy_activations(st, p.xq + c * ph.chunk_kb * kActBlockBytes, 2 * (int64_t)p.shape.hidden,
-                         p.xs + c * ph.chunk_kb, (int64_t)ph.chunks() * ph.chunk_kb, rows, unit.count,
-                         nkb * kActBlockBytes, nkb * 4);
-      else
-        copy_activations(st, p.hq + c * ph.chunk_kb * kActBlockBytes, 2 * (int64_t)p.shape.inter,
-                         p.hs + c * ph.chunk_kb, (int64_t)ph.chunks() * ph.chunk_kb, rows, unit.count,
-                         nkb * kActBlockBytes, nkb * 4);
+      copy_activations(st, (ref.fc1 ? p.xq : p.hq) + c * ph.chunk_kb * kActBlockBytes,
+                       (int64_t)ph.k_blocks * kActBlockBytes, (ref.fc1 ? p.xs : p.hs) + c * ph.chunk_kb,
+                       ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes, nkb * 4);
       cp_async_arrive(&full[s]);
     }
   }
@@ -519,7 +514,7 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   __threadfence(); /* acquire the other tiles' h */
 
-  const int kb_per_row = I / kMxBlock, chunk_kb = p.fc2.chunk_kb;
+  const int kb_per_row = I / kMxBlock;
   for (int b = lane; b < unit.count * kb_per_row; b += 32) {
     const int r = unit.row0 + b / kb_per_row, kb = b % kb_per_row;
     const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
@@ -530,7 +525,7 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
       v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
     quantize_store(v, p.hidden_floor, p.hq + ((int64_t)r * I + kb * kMxBlock) * 2,
-                   p.hs + ((int64_t)r * p.fc2.chunks() + kb / chunk_kb) * chunk_kb + kb % chunk_kb);
+                   p.hs + (int64_t)r * p.fc2.scale_row_floats() + kb);
   }
   __syncwarp();
   if (lane == 0) {
@@ -635,14 +630,14 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
 
 /* ---- x -> MXFP8 in scratch, split over the whole grid ------------------------------ */
 __device__ void quantize_x(const Params &p) {
-  const int kb_per_row = p.shape.hidden / kMxBlock, chunks = p.fc1.chunks(), chunk_kb = p.fc1.chunk_kb;
+  const int kb_per_row = p.shape.hidden / kMxBlock;
   const int total = p.tokens * kb_per_row;
   for (int b = blockIdx.x * kConsumerThreads + threadIdx.x; b < total; b += gridDim.x * kConsumerThreads) {
     const int t = b / kb_per_row, kb = b % kb_per_row;
     float v[kMxBlock];
     load_bf16x32(p.x + t * p.x_ld + kb * kMxBlock, v);
     quantize_store(v, false, p.xq + ((int64_t)t * p.shape.hidden + kb * kMxBlock) * 2,
-                   p.xs + ((int64_t)t * chunks + kb / chunk_kb) * chunk_kb + kb % chunk_kb);
+                   p.xs + (int64_t)t * p.fc1.scale_row_floats() + kb);
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {

@@ -65,6 +65,9 @@ struct PhaseShape {
   int64_t base;    /* offset of this phase's region in the packed buffer */
 
   KX_HOST_DEVICE int chunks() const { return n_chunks; }
+  /* Floats per row of activation scales in scratch: whole chunks, so a chunk's scales
+   * copy as full 16-byte pieces; k-block kb of row r sits at r * scale_row_floats() + kb. */
+  KX_HOST_DEVICE int scale_row_floats() const { return n_chunks * chunk_kb; }
   /* n / tiles for 0 <= n < 2^24 (tiles < 2^16: the rounding of tiles_inv stays below
    * 1 / tiles); the kernels split tile indices this way on every role's hot path. */
   KX_HOST_DEVICE int per_tiles(int n) const { return (int)(((uint64_t)n * tiles_inv) >> 40); }

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from shapes import FINITE_SENTINEL, MOE_RTOL, POISON_BF16, count_bits, poison_, ref, rel_fro
@@ -124,3 +126,10 @@ def check_combined_matches_rows(z, rows, route_weights, what):
     assert bad.numel() == 0, (
         f"{what}: combined output is not the slot-order sum of the rows at "
         f"{bad[0].tolist()}: got {z[tuple(bad[0])].item()}, want {want[tuple(bad[0])].item()}")
+
+
+def assert_names_first_bad(msg, t, j, v):
+    """A BadRoutingError message names the first bad (token t, slot j) and the id v."""
+    named = f"ids[{t}, {j}]" in msg or (re.search(rf"token\D*{t}\b", msg) and re.search(rf"slot\D*{j}\b", msg))
+    assert named, f"message does not name the first bad (token {t}, slot {j}): {msg!r}"
+    assert str(v) in msg, f"message does not give the bad id {v}: {msg!r}"

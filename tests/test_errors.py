@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from moe_check import Layer, check_close, check_rows_close
+from moe_check import Layer, assert_names_first_bad, check_close, check_rows_close
 from shapes import (FINITE_SENTINEL, count_bits, make_ids, make_route_weights, make_weights, make_x, poison_,
                     seed_of)
 
@@ -257,12 +257,6 @@ def _with_bad_ids(ids):
     return ids
 
 
-def _assert_names_first_bad(msg, t, j, v):
-    named = f"ids[{t}, {j}]" in msg or (re.search(rf"token\D*{t}\b", msg) and re.search(rf"slot\D*{j}\b", msg))
-    assert named, f"message does not name the first bad (token {t}, slot {j}): {msg!r}"
-    assert str(v) in msg, f"message does not give the bad id {v}: {msg!r}"
-
-
 def test_bad_ids_rows_and_check(kx, layer):
     x, ids, _ = inputs(seed_of("bad-ids"))
     bad_ids = _with_bad_ids(ids)
@@ -278,7 +272,7 @@ def test_bad_ids_rows_and_check(kx, layer):
     check_rows_close(out, layer.reference(x, bad_ids), what + " good rows", good)
     with pytest.raises(kx.BadRoutingError) as info:
         layer.moe.check()
-    _assert_names_first_bad(str(info.value), 1, 0, E)
+    assert_names_first_bad(str(info.value), 1, 0, E)
     assert isinstance(info.value, ValueError) and isinstance(info.value, kx.KimiExpertsError)
     layer.moe.check()  # the record was cleared
 
@@ -294,7 +288,7 @@ def test_bad_ids_combined(kx, layer):
     check_rows_close(out, layer.reference(x, bad_ids, rw), what, [0, 2])
     with pytest.raises(kx.BadRoutingError) as info:
         layer.moe.check()
-    _assert_names_first_bad(str(info.value), 1, 2, -5)
+    assert_names_first_bad(str(info.value), 1, 2, -5)
 
 
 def test_bad_ids_validate_and_persistence(kx, layer):
@@ -304,7 +298,7 @@ def test_bad_ids_validate_and_persistence(kx, layer):
     layer.moe.run(x, ids, validate=True)  # clean: no error
     with pytest.raises(kx.BadRoutingError) as info:
         layer.moe.run(x, bad_ids, validate=True)
-    _assert_names_first_bad(str(info.value), 1, 0, E)
+    assert_names_first_bad(str(info.value), 1, 0, E)
     assert bool(torch.isnan(out[1 * K + 0]).all()), "validate: the bad row must still be NaN"
     layer.moe.check()  # validate behaves like check(): cleared
     # the record persists over a later clean run until check()
@@ -313,7 +307,7 @@ def test_bad_ids_validate_and_persistence(kx, layer):
     check_close(out, layer.reference(x, ids), "clean run after a bad one")
     with pytest.raises(kx.BadRoutingError) as info:
         layer.moe.check()
-    _assert_names_first_bad(str(info.value), 1, 0, E)
+    assert_names_first_bad(str(info.value), 1, 0, E)
     layer.moe.check()
 
 
@@ -450,6 +444,6 @@ def test_bad_id_record_survives_other_layers_on_shared_scratch(kx, weights):
     b.run(x, ids, scratch=shared)
     with pytest.raises(kx.BadRoutingError) as info:
         a.moe.check()
-    _assert_names_first_bad(str(info.value), 2, 1, E + 3)
+    assert_names_first_bad(str(info.value), 2, 1, E + 3)
     a.moe.check()
     b.moe.check()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gpu_util import sync_or_die, to_cuda
-from moe_check import (Layer, bitwise_equal, check_close, check_combined_matches_rows,
-                       check_rows_close)
+from moe_check import (Layer, assert_names_first_bad, bitwise_equal, check_close,
+                       check_combined_matches_rows, check_rows_close)
 from shapes import (FINITE_SENTINEL, K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids,
                     make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
                     rel_fro, seed_of, shape_id)
@@ -181,9 +181,9 @@ def _worst_rows(g, c, ids, x, top_k, n=4):
     return "; ".join(out)
 
 
-# The every-B test fails for some wide-range inputs on the GPU while the CPU backend
-# passes them (2026-11-29): this takes the two ingredients of make_x_varied apart and
-# names the worst rows.
+# GPU and CPU backend on wide-range inputs, the two ingredients of make_x_varied apart;
+# a failure names the worst rows (this located a reference bug on 2026-11-29, see
+# test_reference_same_on_cuda_and_cpu).
 @pytest.mark.parametrize("kind", ["magnitudes", "outliers", "both"])
 @pytest.mark.parametrize("shape,B", [(TP16, 9), (K3_TP8, 39)], ids=["tp16-9", "k3-tp8-39"])
 def test_wide_range_inputs_match_cpu(kx, gpu_layers, weights_for, shape, B, kind):
@@ -305,8 +305,7 @@ def test_bad_ids(kx, gpu_layers):
     check_rows_close(out, layer.reference(x, bad), what, [i for i in range(B * K) if i != r])
     with pytest.raises(kx.BadRoutingError) as info:
         layer.moe.check()
-    msg = str(info.value)
-    assert ("ids[3, 9]" in msg or ("3" in msg and "9" in msg)) and str(E) in msg, msg
+    assert_names_first_bad(str(info.value), 3, 9, E)
     layer.moe.check()  # cleared
     # several bad ids, negative too: NaN rows exactly there; validate=True raises
     bad2 = ids.clone()
@@ -345,8 +344,7 @@ def test_bad_id_record_survives_other_layers(kx, gpu_layers):
     sync_or_die("shared record")
     with pytest.raises(kx.BadRoutingError) as info:
         a.moe.check()
-    msg = str(info.value)
-    assert ("ids[4, 11]" in msg or ("4" in msg and "11" in msg)) and str(E + 1) in msg, msg
+    assert_names_first_bad(str(info.value), 4, 11, E + 1)
     a.moe.check()
     b.moe.check()
 
