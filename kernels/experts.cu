@@ -8,8 +8,8 @@
  * does almost no math), so the kernel is a weight stream. One CTA per SM, 14 warps:
  *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
  *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
- *   - an activation producer copies the unit's activation rows into the same stage with
- *     16-byte cp.async, waiting for them where other CTAs produce them;
+ *   - an activation producer copies the unit's activation rows into the same stage, one
+ *     bulk copy per row, waiting for them where other CTAs produce them;
  *   - 8 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
@@ -71,7 +71,7 @@ constexpr int kStageBytes = kStageWeightBytes + kStageActBytes + kGroupTokens * 
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
 constexpr int kConsumerBarrier = 1;
 constexpr uint16_t kBf16Nan = 0x7FC0;
-constexpr int kCopyPiece = 16; /* cp.async granule */
+constexpr int kCopyGranule = 16; /* bulk copies move multiples of 16 bytes */
 static_assert(kThreads == kRouteThreads, "the whole CTA routes");
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
@@ -316,20 +316,20 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
   }
 }
 
-/* Activation rows of a unit for one chunk: 16-byte cp.async pieces spread over the
- * lanes (the copy engine is kept for the weights). A scale row is rounded up to whole
- * pieces: scratch holds full chunks, so that stays inside the row. */
-__device__ __forceinline__ void copy_activations(const Stage &st, const uint8_t *q_src, int64_t q_row_stride,
-                                                 const float *s_src, int64_t s_row_stride, const int *rows, int count,
-                                                 int row_bytes, int scale_bytes) {
+/* Activation rows of a unit for one chunk: lane i copies row i and its scale row, one
+ * copy-engine copy each (16-byte cp.async pieces kept this warp issuing for most of the
+ * call: ~1.4 kcycles a stage at B = 8). A scale row is rounded up to whole 16 bytes:
+ * scratch holds full chunks, so that stays inside the row. */
+__device__ __forceinline__ void copy_activations(const Stage &st, uint64_t *full, const uint8_t *q_src,
+                                                 int64_t q_row_stride, const float *s_src, int64_t s_row_stride,
+                                                 const int *rows, int count, int row_bytes, int scale_bytes) {
   const int lane = threadIdx.x & 31;
-  const int q_pieces = row_bytes / kCopyPiece, s_pieces = (scale_bytes + kCopyPiece - 1) / kCopyPiece;
-  for (int i = 0; i < count; ++i) {
-    for (int k = lane; k < q_pieces; k += 32)
-      cp_async16(st.act + i * kActRowBytes + k * kCopyPiece, q_src + rows[i] * q_row_stride + k * kCopyPiece);
-    for (int k = lane; k < s_pieces; k += 32)
-      cp_async16(reinterpret_cast<uint8_t *>(st.act_scale + i * kActScaleFloats) + k * kCopyPiece,
-                 reinterpret_cast<const uint8_t *>(s_src + rows[i] * s_row_stride) + k * kCopyPiece);
+  const uint32_t s_bytes = (uint32_t)(scale_bytes + kCopyGranule - 1) & ~(uint32_t)(kCopyGranule - 1);
+  if (lane == 0) mbar_arrive_expect_tx(full, (uint32_t)count * ((uint32_t)row_bytes + s_bytes));
+  __syncwarp(); /* the bytes are expected before any can land */
+  if (lane < count) {
+    bulk_copy(st.act + lane * kActRowBytes, q_src + rows[lane] * q_row_stride, (uint32_t)row_bytes, full);
+    bulk_copy(st.act_scale + lane * kActScaleFloats, s_src + rows[lane] * s_row_stride, s_bytes, full);
   }
 }
 
@@ -367,11 +367,13 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       rows[lane] = ref.fc1 ? nth_set_bit(unit.mask, unit.first_rank + lane) : unit.row0 + lane;
     if (ref.fc1 && !x_ready) {
       wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
+      fence_proxy_async_global();
       x_ready = true;
     } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
       q_known = q;
       known_ready = poll_units(p, index, total_tiles, fc1_tiles);
       if (!(known_ready & 1)) wait_at_least(&p.unit_ready[ref.unit], 1);
+      fence_proxy_async_global();
     }
     __syncwarp();
     for (int c = 0; c < ph.chunks(); ++c, ++it) {
@@ -379,10 +381,9 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       const int nkb = ph.chunk_k_blocks(c);
-      copy_activations(st, (ref.fc1 ? p.xq : p.hq) + c * ph.chunk_kb * kActBlockBytes,
+      copy_activations(st, &full[s], (ref.fc1 ? p.xq : p.hq) + c * ph.chunk_kb * kActBlockBytes,
                        (int64_t)ph.k_blocks * kActBlockBytes, (ref.fc1 ? p.xs : p.hs) + c * ph.chunk_kb,
                        ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes, nkb * 4);
-      cp_async_arrive(&full[s]);
     }
   }
 }
@@ -662,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   /* 0. before the predecessor is done: nothing that reads its outputs */
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + 32); /* weights' expect_tx + 32 cp.async lanes */
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 2); /* the weights' and the activations' expect_tx */
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.empty) + s, kConsumerWarps);
     }
     for (int e = 0; e < kEpilogueWarps; ++e) {

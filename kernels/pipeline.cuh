@@ -1,9 +1,8 @@
 /* pipeline.cuh: the few sm_90 primitives the kernels are built from, written once.
  *
  * - mbarrier ring: producer warps fill shared-memory stages with bulk copies
- *   (cp.async.bulk, completion counted in bytes on the stage's "full" barrier) and
- *   cp.async (counted as arrivals); consumer warps arrive on the stage's "empty"
- *   barrier when done with it.
+ *   (cp.async.bulk, completion counted in bytes on the stage's "full" barrier);
+ *   consumer warps arrive on the stage's "empty" barrier when done with it.
  * - cross-CTA hand-off through global counters with release/acquire at GPU scope.
  * - programmatic dependent launch (griddepcontrol).
  */
@@ -63,15 +62,17 @@ __device__ __forceinline__ void bulk_copy_streaming(void *dst, const void *src, 
       ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
 }
 
-/* 16 bytes global -> shared through the load/store unit (no copy-engine slot). */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+/* bytes (a multiple of 16, both ends 16-byte aligned) global -> shared by the copy engine,
+ * default L2 policy: activations are read again by other CTAs. */
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-/* The barrier counts one arrival of this thread once its cp.async copies so far land
- * (noinc: that arrival is part of the count the barrier was initialized with). */
-__device__ __forceinline__ void cp_async_arrive(uint64_t *bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+/* Global data this thread acquired (written by other CTAs through ordinary stores) becomes
+ * visible to its later copy-engine reads, which go through the async proxy. */
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
 /* ---- cross-CTA counters (GPU scope) ---- */
