@@ -537,14 +537,26 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
 
 __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile);
 
-/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
+/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. Lane i
+ * first finds token i and its slots here (a mask over the K slots), so the column loop only
+ * shuffles them instead of scanning all K slots per 4 columns. */
 __device__ void finish_fc2_tile(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
                                 const TileRef &ref) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   const int quads = strips * kStripRows / 4; /* 4 consecutive output columns per step */
-  for (int o = lane; o < unit.count * quads; o += 32) {
-    const int token_i = o / quads, row4 = (o % quads) * 4;
-    const int strip = row4 / kStripRows, row = row4 % kStripRows;
+  const int items = unit.count * quads;
+  int token = 0;
+  uint32_t slots = 0;
+  if (!p.route_weights && lane < unit.count) {
+    token = nth_set_bit(unit.mask, unit.first_rank + lane);
+    for (int j = 0; j < K; ++j) slots |= (uint32_t)(r.pair_expert[token * K + j] == unit.expert) << j;
+  }
+  for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
+    const int o = base + lane, token_i = (o < items ? o : items - 1) / quads;
+    const int t = __shfl_sync(0xFFFFFFFFu, token, token_i);
+    const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, slots, token_i);
+    if (o >= items) continue;
+    const int row4 = (o % quads) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
     const int col0 = ref.tile * strips * kStripRows + row4;
     float v[4];
 #pragma unroll
@@ -552,10 +564,8 @@ __device__ void finish_fc2_tile(const Params &p, const float *reduce, const Rout
     if (p.route_weights) {
       store_bf16x4(p.y + (int64_t)(unit.row0 + token_i) * H + col0, v);
     } else {
-      const int t = nth_set_bit(unit.mask, unit.first_rank + token_i);
-      for (int j = 0; j < K; ++j)
-        if (r.pair_expert[t * K + j] == unit.expert)
-          store_bf16x4(p.out + ((int64_t)(p.tok0 + t) * K + j) * p.out_ld + col0, v);
+      for (uint32_t m = t_slots; m != 0; m &= m - 1)
+        store_bf16x4(p.out + ((int64_t)(p.tok0 + t) * K + (__ffs(m) - 1)) * p.out_ld + col0, v);
     }
   }
   if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);

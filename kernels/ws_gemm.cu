@@ -66,8 +66,20 @@
 #include <string.h>
 
 #include "kimi_kernels.h"
+#include "pipeline.cuh" /* mbarriers, L2 policy, PDL, named barriers: shared with experts.cu */
 
 namespace kx_gemm {
+
+using kx::allow_dependents;
+using kx::fence_barrier_init;
+using kx::l2_evict_first_policy;
+using kx::mbar_arrive;
+using kx::mbar_arrive_expect_tx;
+using kx::mbar_init;
+using kx::mbar_wait;
+using kx::named_barrier;
+using kx::smem_addr;
+using kx::wait_for_predecessor;
 
 /* ===================================================================================== */
 /* Constants                                                                              */
@@ -187,49 +199,6 @@ struct Params {
 /* Device primitives (PTX)                                                                */
 /* ===================================================================================== */
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-/* Make the initialised barriers visible to the TMA unit (async proxy) and to the cluster. */
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-/* Weights are read once per call: let them leave L2 first so x and the neighbours' data stay. */
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap *map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -251,16 +220,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c_inner), "r"(c_outer), "r"(bar)
       : "memory");
-}
-
-/* Programmatic dependent launch: let the next kernel start; wait for the previous one. */
-__device__ __forceinline__ void griddep_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -424,9 +383,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(kSwizzleAtomBytes) uint8_t smem_raw[];
   const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups);
   const uint32_t ring =
-      (smem_u32(smem_raw) + kSwizzleAtomBytes - 1) & ~(uint32_t)(kSwizzleAtomBytes - 1);
-  const uint32_t full_bar = ring + (uint32_t)(plan.stages * plan.stage_bytes);
-  const uint32_t empty_bar = full_bar + 8u * (uint32_t)plan.stages;
+      (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(uint32_t)(kSwizzleAtomBytes - 1);
+  uint64_t *full = reinterpret_cast<uint64_t *>(smem_raw + (ring - smem_addr(smem_raw)) +
+                                                plan.stages * plan.stage_bytes);
+  uint64_t *empty = full + plan.stages;
 
   /* ---- this CTA's piece: rows [n0, n0 + tile_n), units [u0, u0 + units) of K ----------- */
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
@@ -441,15 +401,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* ---- barriers --------------------------------------------------------------------- */
   if (threadIdx.x == 0) {
     for (int s = 0; s < plan.stages; ++s) {
-      mbar_init(full_bar + 8 * s, 1); /* the producer's arrive.expect_tx */
-      mbar_init(empty_bar + 8 * s, (uint32_t)(plan.row_groups * kTokenHalves)); /* its consumers */
+      mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
+      mbar_init(&empty[s], (uint32_t)(plan.row_groups * kTokenHalves)); /* its consumers */
     }
     fence_barrier_init();
   }
   __syncthreads();
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
-  griddep_launch_dependents();
+  allow_dependents();
 
   float acc[kStrips][kGW][4];
 #pragma unroll
@@ -468,22 +428,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint64_t evict_first = l2_evict_first_policy();
       const int prefill = units < plan.stages ? units : plan.stages;
       for (int s = 0; s < prefill; ++s) {
-        mbar_arrive_expect_tx(full_bar + 8 * s, (uint32_t)plan.stage_bytes);
-        tma_load_2d(ring + s * plan.stage_bytes, &w_map, (u0 + s) * kUnitK, n0, full_bar + 8 * s,
+        mbar_arrive_expect_tx(&full[s], (uint32_t)plan.stage_bytes);
+        tma_load_2d(ring + s * plan.stage_bytes, &w_map, (u0 + s) * kUnitK, n0, smem_addr(&full[s]),
                     evict_first);
       }
-      griddep_wait(); /* x may be the predecessor's output */
+      wait_for_predecessor(); /* x may be the predecessor's output */
       for (int s = 0; s < prefill; ++s)
         tma_load_2d(ring + s * plan.stage_bytes + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0,
-                    full_bar + 8 * s);
+                    smem_addr(&full[s]));
       int slot = 0;
       uint32_t phase = 0; /* parity of the consumers' release of this slot's previous fill */
       for (int s = prefill; s < units; ++s) {
-        mbar_wait(empty_bar + 8 * slot, phase);
+        mbar_wait(&empty[slot], phase);
         const uint32_t stage = ring + slot * plan.stage_bytes;
-        mbar_arrive_expect_tx(full_bar + 8 * slot, (uint32_t)plan.stage_bytes);
-        tma_load_2d(stage, &w_map, (u0 + s) * kUnitK, n0, full_bar + 8 * slot, evict_first);
-        tma_load_2d(stage + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0, full_bar + 8 * slot);
+        mbar_arrive_expect_tx(&full[slot], (uint32_t)plan.stage_bytes);
+        tma_load_2d(stage, &w_map, (u0 + s) * kUnitK, n0, smem_addr(&full[slot]), evict_first);
+        tma_load_2d(stage + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0, smem_addr(&full[slot]));
         if (++slot == plan.stages) {
           slot = 0;
           phase ^= 1u;
@@ -505,11 +465,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     int slot = kg; /* kg < k_groups <= stages; stages % k_groups == 0 */
     uint32_t phase = 0;
     for (int s = kg; s < units; s += plan.k_groups) {
-      mbar_wait(full_bar + 8 * slot, phase);
+      mbar_wait(&full[slot], phase);
       const uint32_t stage = ring + slot * plan.stage_bytes;
       mma_unit<kGW>(acc, stage + a_lane, stage + b_lane);
       __syncwarp(); /* every lane's reads of the slot precede the release */
-      if (lane == 0) mbar_arrive(empty_bar + 8 * slot);
+      if (lane == 0) mbar_arrive(&empty[slot]);
       slot += plan.k_groups;
       if (slot >= plan.stages) {
         slot -= plan.stages;
@@ -520,9 +480,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* ---- reduction 1: k-groups, in shared memory, in the order kg = 0, 1, 2, 3 ----------- */
     /* The slices reuse the ring: wait until every consumer is done with it. All copies issued
      * have landed, since every stage was waited on by its consumers. */
-    named_barrier_sync(kConsumerBarrier, kConsumerWarps * 32);
+    named_barrier(kConsumerBarrier, kConsumerWarps * 32);
     if (kg > 0) partials_store<kGW>(ring + kg * plan.slice_bytes, p.tile_n, acc, row0, tok0, g, q);
-    named_barrier_sync(kConsumerBarrier, kConsumerWarps * 32);
+    named_barrier(kConsumerBarrier, kConsumerWarps * 32);
     if (kg == 0) {
       for (int j = 1; j < plan.k_groups; ++j)
         partials_add<kGW>(ring + j * plan.slice_bytes, p.tile_n, acc, row0, tok0, g, q);
@@ -536,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     cluster_sync();
   else
     __syncthreads();
-  griddep_wait(); /* outputs: the predecessor may still read the buffers we overwrite */
+  wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
   /* ---- epilogue: this CTA's rows [rank R/C, (rank+1) R/C) of the tile, 4 columns a thread - */
   const int rows_per_rank = p.tile_n / p.cluster; /* >= 8 */

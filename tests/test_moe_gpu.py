@@ -393,6 +393,22 @@ def k3_twin(gpu_layers):
     return gpu_layers["k3-tp8"].twin()
 
 
+def _replay_fresh(layer, k3_twin, graph, x_s, ids_s, out, seed, what):
+    """Fresh inputs into the captured buffers, poisoned output, one replay; returns the
+    output after checking it bitwise against an eager run of the twin layer."""
+    x, ids, _ = _inputs(layer, x_s.shape[0], seed)
+    x_s.copy_(x)
+    ids_s.copy_(ids)
+    poison_(out)
+    graph.replay()
+    sync_or_die(f"{what}: replay")
+    got = out.clone()
+    eager = k3_twin.run(x, ids)
+    sync_or_die(f"{what}: eager")
+    assert bitwise_equal(got, eager), f"{what}: replay differs from an eager run"
+    return got, x, ids
+
+
 @pytest.mark.parametrize("B", [1, 16, 64])
 def test_cuda_graph_capture_replay(kx, gpu_layers, k3_twin, B):
     layer = gpu_layers["k3-tp8"]
@@ -404,17 +420,8 @@ def test_cuda_graph_capture_replay(kx, gpu_layers, k3_twin, B):
     g = _graph_capture(lambda: moe.run(x_s, ids_s))
     for step in range(3):
         seed = seed_of("graph", B, step)
-        x, ids, _ = _inputs(layer, B, seed)
-        x_s.copy_(x)
-        ids_s.copy_(ids)
-        poison_(rows)
-        g.replay()
-        sync_or_die(f"graph replay B={B} step={step}")
-        got = rows.clone()
-        eager = k3_twin.run(x, ids)
-        sync_or_die("eager")
         what = f"{layer.describe()} B={B} seed={seed} graph replay"
-        assert bitwise_equal(got, eager), f"{what}: replay differs from an eager run"
+        got, x, ids = _replay_fresh(layer, k3_twin, g, x_s, ids_s, rows, seed, what)
         check_close(got, layer.reference(x, ids), what)
 
 
@@ -434,18 +441,9 @@ def test_cuda_graphs_for_several_batch_sizes(kx, gpu_layers, k3_twin):
     for step, B in enumerate((64, 1, 8, 1, 64, 8)):
         g, x_s, ids_s, out = graphs[B]
         seed = seed_of("graphs-B", step)
-        x, ids, _ = _inputs(layer, B, seed)
-        x_s.copy_(x)
-        ids_s.copy_(ids)
-        poison_(out)
-        g.replay()
-        sync_or_die(f"graph B={B} step={step}")
-        got = out.clone()
-        eager = k3_twin.run(x, ids)
-        sync_or_die("eager")
-        assert bitwise_equal(got, eager), (
-            f"{layer.describe()} B={B} step={step} seed={seed}: replay of the B={B} graph "
-            f"(captured before later prepares) differs from an eager run")
+        _replay_fresh(layer, k3_twin, g, x_s, ids_s, out, seed,
+                      f"{layer.describe()} B={B} step={step} seed={seed}: the B={B} graph "
+                      f"(captured before later prepares)")
 
 
 def test_cuda_graph_four_layers_one_scratch(kx, gpu_layers, weights_for):
