@@ -21,8 +21,11 @@ __device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals));
 }
 
+/* The initialized barriers become visible to the cluster and to the copy engine (async
+ * proxy), which counts bytes on them. */
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
