@@ -22,9 +22,10 @@
  * Phases inside the launch (no grid-wide barrier on the weight path):
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch);
- *   1. every CTA routes all pairs itself (route.cuh) -> units of <= 8 tokens;
- *   2. the MMA warps quantize their share of x to MXFP8 in scratch; a counter says done
- *      (the activation producer waits for it before the first activation copy);
+ *   1. every CTA routes all pairs itself (route.cuh, on its 6 non-MMA warps) -> units
+ *      of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
+ *      scratch and a grid-wide counter says done (the activation producer waits for it
+ *      before the first activation copy);
  *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 8 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
@@ -72,7 +73,7 @@ constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output c
 constexpr int kConsumerBarrier = 1;
 constexpr uint16_t kBf16Nan = 0x7FC0;
 constexpr int kCopyGranule = 16; /* bulk copies move multiples of 16 bytes */
-static_assert(kThreads == kRouteThreads, "the whole CTA routes");
+static_assert(kThreads - kConsumerThreads == kRouteThreads, "the warps that are not MMA warps route");
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
 static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
@@ -318,8 +319,8 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
 
 /* Activation rows of a unit for one chunk: lane i copies row i and its scale row, one
  * copy-engine copy each (16-byte cp.async pieces kept this warp issuing for most of the
- * call: ~1.4 kcycles a stage at B = 8). A scale row is rounded up to whole 16 bytes:
- * scratch holds full chunks, so that stays inside the row. */
+ * call: ~1.4 kcycles a stage at B = 8). A chunk's scales are rounded up to whole 16 bytes:
+ * scratch gives each chunk a whole scale_pitch(), so that stays inside the row. */
 __device__ __forceinline__ void copy_activations(const Stage &st, uint64_t *full, const uint8_t *q_src,
                                                  int64_t q_row_stride, const float *s_src, int64_t s_row_stride,
                                                  const int *rows, int count, int row_bytes, int scale_bytes) {
@@ -382,7 +383,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       const int nkb = ph.chunk_k_blocks(c);
       copy_activations(st, &full[s], (ref.fc1 ? p.xq : p.hq) + c * ph.chunk_kb * kActBlockBytes,
-                       (int64_t)ph.k_blocks * kActBlockBytes, (ref.fc1 ? p.xs : p.hs) + c * ph.chunk_kb,
+                       (int64_t)ph.k_blocks * kActBlockBytes, (ref.fc1 ? p.xs : p.hs) + c * ph.scale_pitch(),
                        ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes, nkb * 4);
     }
   }
@@ -526,7 +527,7 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
       v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
     quantize_store(v, p.hidden_floor, p.hq + ((int64_t)r * I + kb * kMxBlock) * 2,
-                   p.hs + (int64_t)r * p.fc2.scale_row_floats() + kb);
+                   p.hs + (int64_t)r * p.fc2.scale_row_floats() + p.fc2.scale_index(kb));
   }
   __syncwarp();
   if (lane == 0) {
@@ -648,7 +649,7 @@ __device__ void quantize_x(const Params &p) {
     float v[kMxBlock];
     load_bf16x32(p.x + t * p.x_ld + kb * kMxBlock, v);
     quantize_store(v, false, p.xq + ((int64_t)t * p.shape.hidden + kb * kMxBlock) * 2,
-                   p.xs + (int64_t)t * p.fc1.scale_row_floats() + kb);
+                   p.xs + (int64_t)t * p.fc1.scale_row_floats() + p.fc1.scale_index(kb));
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {
@@ -682,17 +683,24 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     }
     fence_barrier_init();
   }
-  routing_clear(r, p.shape.experts);
+  const int route_tid = threadIdx.x - kConsumerThreads;
+  if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
   __syncthreads();
   wait_for_predecessor();
 
-  /* 1. routing */
-  const bool reporter = blockIdx.x == 0;
-  route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, [&](int pair, int id) {
-    if (!reporter) return;
-    const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
-    atomicMax(&p.sync->fault, ~key);
-  });
+  /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then
+   *    overlaps the routing instead of following it) */
+  if (warp < kConsumerWarps) {
+    quantize_x(p);
+  } else {
+    const bool reporter = blockIdx.x == 0;
+    route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, [&](int pair, int id) {
+      if (!reporter) return;
+      const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
+      atomicMax(&p.sync->fault, ~key);
+    });
+  }
+  __syncthreads();
   const int units = r.totals[1];
   const int fc1_tiles = units * p.fc1.tiles;
   const int total_tiles = fc1_tiles + units * p.fc2.tiles;
@@ -704,9 +712,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   } else if (warp >= kFirstEpilogueWarp) {
     run_epilogues(p, smem, r, total_tiles, fc1_tiles);
   } else {
-    /* 2. x -> MXFP8, and the rows no tile will write */
+    /* 2. the rows no tile will write */
     write_nan_rows(p, r);
-    quantize_x(p);
     /* 3./4. the tiles: MMA, then hand the partial sums to an epilogue warp */
     uint64_t *parked = reinterpret_cast<uint64_t *>(smem + L.parked);
     uint64_t *freed = reinterpret_cast<uint64_t *>(smem + L.freed);

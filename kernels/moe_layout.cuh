@@ -9,12 +9,15 @@
  * A "strip" is 16 rows; a "tile" is `strips` strips over all of K; a "chunk" is the
  * part of a tile one pipeline stage carries: chunk_kb k-blocks of every strip,
  * weights [strip][kb][256 B] then scales [strip][kb][16 B], one contiguous bulk copy.
- * A full chunk is 64 units (17 KB): the copy engine's cost is per copy, and measured
+ * A chunk carries at most 64 units (17 KB), and a tile's chunks are cut equal (112
+ * k-blocks: 4 x 28, not 3 x 32 + 16): the copy engine's cost is per copy, and measured
  * on an H200 one CTA per SM streams 2.2 TB/s in 4 KB copies, 4.3 in 8 KB, 4.65 in 16 KB.
  *
  *   FC1 tile: strip 0 = gate rows 16f.., strip 1 = up rows I+16f..  (SiTU needs both)
- *   FC2 tile: 4 strips (8 when I <= 256 and H % 128 == 0, so a tile still makes a
- *             large copy) = output rows 16*strips*f ..
+ *   FC2 tile: 4 strips = output rows 16*strips*f .., or 8 strips when 4 would make a
+ *             tile under 32 KB and H % 128 == 0: HBM streams small tiles scattered over
+ *             many experts slower (H200, one CTA per SM: 2.9 TB/s in random 13 KB
+ *             pieces, 4.2 in random 61 KB pieces, 4.3 sequential)
  * Every chunk shape carries at most 64 units, so the 8 consumer warps split every stage
  * evenly.
  * The packed bytes equal the standard layout's (no padding): E * (2I*H/2 + 2I*H/32
@@ -40,6 +43,7 @@ constexpr int kUnitsPerChunk = 64;
 constexpr int kFc1Strips = 2, kFc1ChunkKb = kUnitsPerChunk / kFc1Strips; /* 32 k-blocks */
 constexpr int kMaxChunkKb = kFc1ChunkKb;
 constexpr int kChunkMaxBytes = kUnitsPerChunk * kUnitBytes;
+constexpr int kMinLargeTileBytes = 32 * 1024;
 static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 /* Where the packer puts the nibbles of one 32-bit word so that decode_fp4x8 (mx.cuh)
@@ -65,9 +69,12 @@ struct PhaseShape {
   int64_t base;    /* offset of this phase's region in the packed buffer */
 
   KX_HOST_DEVICE int chunks() const { return n_chunks; }
-  /* Floats per row of activation scales in scratch: whole chunks, so a chunk's scales
-   * copy as full 16-byte pieces; k-block kb of row r sits at r * scale_row_floats() + kb. */
-  KX_HOST_DEVICE int scale_row_floats() const { return n_chunks * chunk_kb; }
+  /* Activation scales in scratch: a row is n_chunks pieces of scale_pitch() floats, one
+   * per chunk, rounded up to whole 16-byte copies (a bulk copy starts 16-byte aligned);
+   * k-block kb of row r sits at r * scale_row_floats() + scale_index(kb). */
+  KX_HOST_DEVICE int scale_pitch() const { return (chunk_kb + 3) & ~3; }
+  KX_HOST_DEVICE int scale_row_floats() const { return n_chunks * scale_pitch(); }
+  KX_HOST_DEVICE int scale_index(int kb) const { return kb / chunk_kb * scale_pitch() + kb % chunk_kb; }
   /* n / tiles for 0 <= n < 2^24 (tiles < 2^16: the rounding of tiles_inv stays below
    * 1 / tiles); the kernels split tile indices this way on every role's hot path. */
   KX_HOST_DEVICE int per_tiles(int n) const { return (int)(((uint64_t)n * tiles_inv) >> 40); }
@@ -85,18 +92,20 @@ struct PhaseShape {
   }
 };
 
-KX_HOST_DEVICE void finish_phase(PhaseShape *p) {
-  p->n_chunks = (p->k_blocks + p->chunk_kb - 1) / p->chunk_kb;
+/* max_kb: the most k-blocks a chunk of this phase may carry. */
+KX_HOST_DEVICE void finish_phase(PhaseShape *p, int max_kb) {
+  const int fewest = (p->k_blocks + max_kb - 1) / max_kb;
+  p->chunk_kb = (p->k_blocks + fewest - 1) / fewest;
+  p->n_chunks = (p->k_blocks + p->chunk_kb - 1) / p->chunk_kb; /* no empty last chunk */
   p->tiles_inv = (((uint64_t)1 << 40) + (uint64_t)p->tiles - 1) / (uint64_t)p->tiles;
 }
 
 KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
   PhaseShape p;
   p.strips = kFc1Strips;
-  p.chunk_kb = kFc1ChunkKb;
   p.k_blocks = hidden / 32;
   p.tiles = inter / kStripRows;
-  finish_phase(&p);
+  finish_phase(&p, kFc1ChunkKb);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
   p.base = 0;
   (void)experts;
@@ -105,11 +114,11 @@ KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
 
 KX_HOST_DEVICE PhaseShape fc2_shape(int experts, int hidden, int inter) {
   PhaseShape p;
-  p.strips = (inter <= 256 && hidden % 128 == 0) ? 8 : 4;
-  p.chunk_kb = kUnitsPerChunk / p.strips;
   p.k_blocks = inter / 32;
+  const bool small_tiles = 4 * p.k_blocks * kUnitBytes < kMinLargeTileBytes;
+  p.strips = (small_tiles && hidden % 128 == 0) ? 8 : 4;
   p.tiles = hidden / (p.strips * kStripRows);
-  finish_phase(&p);
+  finish_phase(&p, kUnitsPerChunk / p.strips);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
   p.base = (int64_t)experts * fc1_shape(experts, hidden, inter).expert_bytes;
   return p;

@@ -3,7 +3,8 @@
  * Every CTA reads the ids (at most 1024 pairs, L2-resident) and builds the same tables
  * in its own shared memory, so no routing kernel and no grid-wide barrier is needed
  * before weights can stream (a separate routing launch costs more than the whole B=1
- * floor). Everything is deterministic: the expert order is the order of first
+ * floor). A group of kRouteThreads threads routes and syncs on its own named barrier,
+ * so the rest of the CTA can do other work meanwhile; `tid` is a thread's index in it. Everything is deterministic: the expert order is the order of first
  * appearance in the pairs, and the tokens of an expert are in ascending token order
  * (a 64-bit token mask per expert), so all CTAs agree on every row index.
  *
@@ -24,8 +25,9 @@
 
 namespace kx {
 
-constexpr int kRouteThreads = 448; /* the whole CTA routes (experts.cu: 14 warps) */
-constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kRouteWarps = 6; /* experts.cu: its warps that are not MMA warps */
+constexpr int kRouteThreads = kRouteWarps * 32;
+constexpr int kRouteBarrier = 2; /* named barrier id (0: __syncthreads, 1: experts.cu's MMA warps) */
 constexpr int kMaxPairs = 1024;
 constexpr int kMaxLaunchTokens = 64; /* token masks are 64-bit */
 constexpr int kGroupTokens = 8;      /* tokens per unit: one MMA n-tile */
@@ -82,9 +84,13 @@ __device__ __forceinline__ int hidden_row(const Routing &r, int c, int t) {
   return (r.expert_scan[c] >> 16) + __popcll(below);
 }
 
-/* In-place exclusive prefix sum of v[0..n) by the whole CTA; returns the total. */
-__device__ int block_exclusive_scan(int *v, int n, int *warp_tmp) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+__device__ __forceinline__ void route_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kRouteBarrier), "n"(kRouteThreads) : "memory");
+}
+
+/* In-place exclusive prefix sum of v[0..n) by the routing group; returns the total. */
+__device__ int group_exclusive_scan(int *v, int n, int *warp_tmp, int tid) {
+  const int lane = tid & 31, warp = tid >> 5;
   const int per = (n + kRouteThreads - 1) / kRouteThreads;
   const int begin = min(tid * per, n), end = min(begin + per, n);
   int local = 0;
@@ -96,24 +102,24 @@ __device__ int block_exclusive_scan(int *v, int n, int *warp_tmp) {
     if (lane >= d) incl += other;
   }
   if (lane == 31) warp_tmp[warp] = incl;
-  __syncthreads();
+  route_sync();
   if (tid == 0) {
     int run = 0;
     for (int w = 0; w < kRouteWarps; ++w) { int s = warp_tmp[w]; warp_tmp[w] = run; run += s; }
     warp_tmp[31] = run;
   }
-  __syncthreads();
+  route_sync();
   int run = warp_tmp[warp] + incl - local;
   for (int i = begin; i < end; ++i) { int s = v[i]; v[i] = run; run += s; }
   int total = warp_tmp[31];
-  __syncthreads();
+  route_sync();
   return total;
 }
 
 /* Before the predecessor wait: clear what the atomics below build on. */
-__device__ void routing_clear(const Routing &r, int experts) {
-  for (int e = threadIdx.x; e < experts; e += kRouteThreads) r.expert_slot[e] = kNoPair;
-  for (int t = threadIdx.x; t < kMaxLaunchTokens; t += kRouteThreads) {
+__device__ void routing_clear(const Routing &r, int experts, int tid) {
+  for (int e = tid; e < experts; e += kRouteThreads) r.expert_slot[e] = kNoPair;
+  for (int t = tid; t < kMaxLaunchTokens; t += kRouteThreads) {
     r.token_experts[t] = 0;
     r.token_bad[t] = 0;
   }
@@ -123,8 +129,8 @@ __device__ void routing_clear(const Routing &r, int experts) {
  * report_bad(pair index within this launch, id) by CTA 0 only. */
 template <typename ReportBad>
 __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld, int tokens,
-                            int top_k, int experts, ReportBad report_bad) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+                            int top_k, int experts, int tid, ReportBad report_bad) {
+  const int lane = tid & 31, warp = tid >> 5;
   const int pairs = tokens * top_k;
 
   for (int p = tid; p < pairs; p += kRouteThreads) {
@@ -139,7 +145,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
       report_bad(p, id);
     }
   }
-  __syncthreads();
+  route_sync();
 
   /* first pairs of each expert, in pair order: one ballot per 32 pairs */
   const int chunks = (pairs + 31) / 32;
@@ -150,7 +156,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
     const uint32_t mask = __ballot_sync(0xFFFFFFFFu, first);
     if (lane == 0) r.chunk_mask[ch] = mask;
   }
-  __syncthreads();
+  route_sync();
   if (warp == 0) {
     const int count = lane < chunks ? __popc(r.chunk_mask[lane]) : 0;
     int incl = count;
@@ -162,7 +168,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
     r.scan_tmp[lane] = incl - count;
     if (lane == 31) r.totals[0] = incl;
   }
-  __syncthreads();
+  route_sync();
   for (int p = tid; p < pairs; p += kRouteThreads) {
     const uint32_t mask = r.chunk_mask[p / 32], bit = 1u << (p % 32);
     if (mask & bit) {
@@ -173,7 +179,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
       r.expert_slot[e] = (uint32_t)c; /* from here on: the compact index */
     }
   }
-  __syncthreads();
+  route_sync();
 
   for (int p = tid; p < pairs; p += kRouteThreads) {
     const int e = r.pair_expert[p];
@@ -184,15 +190,15 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
     for (int jj = 0; jj < j; ++jj) repeat |= r.pair_expert[t * top_k + jj] == e;
     if (!repeat) atomicAdd(&r.token_experts[t], 1);
   }
-  __syncthreads();
+  route_sync();
 
   const int n_experts = r.totals[0];
   for (int c = tid; c < n_experts; c += kRouteThreads) {
     const int n = __popcll(r.token_mask[c]);
     r.expert_scan[c] = (n << 16) | ((n + kGroupTokens - 1) / kGroupTokens);
   }
-  __syncthreads();
-  const int packed_total = block_exclusive_scan(r.expert_scan, n_experts, r.scan_tmp);
+  route_sync();
+  const int packed_total = group_exclusive_scan(r.expert_scan, n_experts, r.scan_tmp, tid);
   if (tid == 0) {
     r.totals[1] = packed_total & 0xFFFF;
     r.totals[2] = packed_total >> 16;
@@ -205,7 +211,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
       r.unit_group[first_unit + g] = (uint8_t)g;
     }
   }
-  __syncthreads();
+  route_sync();
 }
 
 }  // namespace kx
