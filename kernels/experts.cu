@@ -68,7 +68,10 @@ constexpr int kActRowBytes = kMaxChunkKb * kActBlockBytes + 64; /* +64: 16-byte 
 constexpr int kActScaleFloats = kMaxChunkKb + 4; /* +4: tokens 2t (and 2t+1) of a quad land in 4 different banks */
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
-constexpr int kStageBytes = kStageWeightBytes + kStageActBytes + kGroupTokens * kActScaleFloats * 4;
+/* a stage: weights, then activation rows, then their scale rows */
+constexpr int kStageActOffset = kStageWeightBytes;
+constexpr int kStageActScaleOffset = kStageActOffset + kStageActBytes;
+constexpr int kStageBytes = kStageActScaleOffset + kGroupTokens * kActScaleFloats * 4;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
 constexpr int kConsumerBarrier = 1;
 constexpr uint16_t kBf16Nan = 0x7FC0;
@@ -274,7 +277,7 @@ struct Stage {
 
 __device__ __forceinline__ Stage stage_at(uint8_t *smem, const SmemLayout &L, int s) {
   uint8_t *base = smem + L.ring + s * kStageBytes;
-  return Stage{base, base + kStageWeightBytes, reinterpret_cast<float *>(base + kStageWeightBytes + kStageActBytes)};
+  return Stage{base, base + kStageActOffset, reinterpret_cast<float *>(base + kStageActScaleOffset)};
 }
 
 /* Which phase, unit and tile a global tile index names. */
@@ -390,94 +393,158 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
 }
 
 /* ---- consumers: decode + MMA over one tile's chunks ------------------------------------ */
-/* Where one warp's units of a stage start (its first k-block), as shared addresses; unit
- * j is kStep k-blocks further, a compile-time offset. */
-struct UnitBase {
+/* A consumer's place in the ring: the stage it reads next and that stage's phase parity. */
+struct RingPos {
+  int stage = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      parity ^= 1;
+    }
+  }
+};
+
+/* Where one warp's first unit lies in a stage of chunks of nkb k-blocks, as byte offsets
+ * from the stage; unit j is kStep k-blocks further, a compile-time offset. */
+struct UnitOffsets {
   uint32_t weights, scales, act, act_scale;
 };
 
-/* One warp's kUnits units of a stage: every shared-memory load first (unit by unit),
- * then the stage is released, then decode + MMA with no branch between units. */
+__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
+  return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
+                     (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
+                     (uint32_t)(kStageActOffset + g * kActRowBytes + k_slot * kActBlockBytes + 16 * t),
+                     (uint32_t)(kStageActScaleOffset + 4 * (2 * t * kActScaleFloats + k_slot))};
+}
+
+/* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform). */
+__device__ __forceinline__ int units_in(int nkb, int k_slot, int k_step) {
+  return nkb > k_slot ? (nkb - k_slot + k_step - 1) / k_step : 0;
+}
+
+/* One warp's kUnits units of the stage at shared address `stage`: every shared-memory
+ * load first (unit by unit), then the stage is released, then decode + MMA with no
+ * branch between units. A warp without units only releases the stage. */
 template <int kUnits, int kStep>
-__device__ __forceinline__ void consume_units(const UnitBase &u, uint64_t *empty, float (&acc)[4]) {
+__device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets &o, uint64_t *empty,
+                                              float (&acc)[4]) {
   const int lane = threadIdx.x & 31;
-  uint2 w[kUnits];
-  uint4 b[kUnits];
-  uint32_t sw[kUnits];
-  float sx0[kUnits], sx1[kUnits];
+  if constexpr (kUnits == 0) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty);
+  } else {
+    const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = stage + o.act,
+                   act_scale = stage + o.act_scale;
+    uint2 w[kUnits];
+    uint4 b[kUnits];
+    uint32_t sw[kUnits];
+    float sx0[kUnits], sx1[kUnits];
 #pragma unroll
-  for (int j = 0; j < kUnits; ++j) {
-    w[j] = lds64(u.weights + j * kStep * kUnitWeightBytes);
-    b[j] = lds128(u.act + j * kStep * kActBlockBytes);
-    sx0[j] = lds32(u.act_scale + 4 * j * kStep);
-    sx1[j] = lds32(u.act_scale + 4 * (kActScaleFloats + j * kStep));
-    sw[j] = lds16(u.scales + j * kStep * kUnitScaleBytes);
-  }
-  __syncwarp();
-  if (lane == 0) mbar_arrive(empty); /* everything of this stage is in registers */
+    for (int j = 0; j < kUnits; ++j) {
+      w[j] = lds64(weights + j * kStep * kUnitWeightBytes);
+      b[j] = lds128(act + j * kStep * kActBlockBytes);
+      sx0[j] = lds32(act_scale + 4 * j * kStep);
+      sx1[j] = lds32(act_scale + 4 * (kActScaleFloats + j * kStep));
+      sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty); /* everything of this stage is in registers */
 #pragma unroll
-  for (int j = 0; j < kUnits; ++j) {
-    const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
-    uint32_t a_lo[4], a_hi[4];
-    decode_fp4x8(w[j].x, a_lo);
-    decode_fp4x8(w[j].y, a_hi);
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    mma_f16(d, a_lo, b[j].x, b[j].y);
-    mma_f16(d, a_hi, b[j].z, b[j].w);
-    acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
-    acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
-    acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
-    acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
+    for (int j = 0; j < kUnits; ++j) {
+      const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+      uint32_t a_lo[4], a_hi[4];
+      decode_fp4x8(w[j].x, a_lo);
+      decode_fp4x8(w[j].y, a_hi);
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_f16(d, a_lo, b[j].x, b[j].y);
+      mma_f16(d, a_hi, b[j].z, b[j].w);
+      acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
+      acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
+      acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
+      acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
+    }
   }
 }
 
-/* The unit count is warp-uniform: a full chunk gives every warp 8 units. */
 template <int kStep>
-__device__ __forceinline__ void consume_chunk(int nkb, int k_slot, const UnitBase &u, uint64_t *empty,
+__device__ __forceinline__ void consume_chunk(int units, uint32_t stage, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4]) {
-  const int units = nkb > k_slot ? (nkb - k_slot + kStep - 1) / kStep : 0;
   switch (units) {
-    case 8: consume_units<8, kStep>(u, empty, acc); break;
-    case 7: consume_units<7, kStep>(u, empty, acc); break;
-    case 6: consume_units<6, kStep>(u, empty, acc); break;
-    case 5: consume_units<5, kStep>(u, empty, acc); break;
-    case 4: consume_units<4, kStep>(u, empty, acc); break;
-    case 3: consume_units<3, kStep>(u, empty, acc); break;
-    case 2: consume_units<2, kStep>(u, empty, acc); break;
-    case 1: consume_units<1, kStep>(u, empty, acc); break;
-    default: /* this warp has no k-block in this chunk */
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) mbar_arrive(empty);
-      break;
+    case 8: consume_units<8, kStep>(stage, o, empty, acc); break;
+    case 7: consume_units<7, kStep>(stage, o, empty, acc); break;
+    case 6: consume_units<6, kStep>(stage, o, empty, acc); break;
+    case 5: consume_units<5, kStep>(stage, o, empty, acc); break;
+    case 4: consume_units<4, kStep>(stage, o, empty, acc); break;
+    case 3: consume_units<3, kStep>(stage, o, empty, acc); break;
+    case 2: consume_units<2, kStep>(stage, o, empty, acc); break;
+    case 1: consume_units<1, kStep>(stage, o, empty, acc); break;
+    default: consume_units<0, kStep>(stage, o, empty, acc); break;
+  }
+}
+
+/* A tile's full chunks for a warp with kUnits units in each: the chunk loop does no
+ * dispatch and no division (ncu, v10 at B = 8: the per-chunk bookkeeping of the generic
+ * loop took 23 % of the MMA warps' samples). */
+template <int kUnits, int kStep>
+__device__ __forceinline__ void consume_chunks(int chunks, const UnitOffsets &o, uint32_t ring, uint64_t *full,
+                                               uint64_t *empty, RingPos &pos, float (&acc)[4]) {
+  for (int c = 0; c < chunks; ++c, pos.advance()) {
+    mbar_wait(&full[pos.stage], pos.parity);
+    consume_units<kUnits, kStep>(ring + pos.stage * kStageBytes, o, &empty[pos.stage], acc);
+  }
+}
+
+template <int kStep>
+__device__ __forceinline__ void consume_chunks_by_units(int units, int chunks, const UnitOffsets &o, uint32_t ring,
+                                                        uint64_t *full, uint64_t *empty, RingPos &pos,
+                                                        float (&acc)[4]) {
+  switch (units) {
+    case 8: consume_chunks<8, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 7: consume_chunks<7, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 6: consume_chunks<6, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 5: consume_chunks<5, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 4: consume_chunks<4, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 3: consume_chunks<3, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 2: consume_chunks<2, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    case 1: consume_chunks<1, kStep>(chunks, o, ring, full, empty, pos, acc); break;
+    default: consume_chunks<0, kStep>(chunks, o, ring, full, empty, pos, acc); break;
   }
 }
 
 /* acc: rows g / g+8 x token columns 2t / 2t+1 of this warp's strip, summed over this
- * warp's k-blocks (a fixed set in a fixed order, so the result is deterministic). */
-__device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, int &it,
+ * warp's k-blocks (a fixed set in a fixed order, so the result is deterministic). The
+ * chunks are cut equal (moe_layout.cuh); only a shorter last one takes the generic path. */
+__device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, RingPos &pos,
                                              float (&acc)[4]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int strip = warp % ph.strips, k_slot = warp / ph.strips, k_step = kConsumerWarps / ph.strips;
+  const int warp = threadIdx.x >> 5, strip = warp % ph.strips, k_slot = warp / ph.strips;
+  const int k_step = kConsumerWarps / ph.strips; /* 8 warps over 2, 4 or 8 strips */
+  const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
+  const int full_chunks = last_kb == ph.chunk_kb ? ph.chunks() : ph.chunks() - 1;
+  const int units = units_in(ph.chunk_kb, k_slot, k_step);
+  const UnitOffsets o = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb);
+  const uint32_t ring = smem_addr(smem + p.smem.ring);
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
-
-  for (int c = 0; c < ph.chunks(); ++c, ++it) {
-    const int s = it % kStages;
-    const Stage st = stage_at(smem, p.smem, s);
-    mbar_wait(&full[s], (it / kStages) & 1);
-    const int nkb = ph.chunk_k_blocks(c), first_unit = strip * nkb + k_slot;
-    const UnitBase u{smem_addr(st.weights + first_unit * kUnitWeightBytes + lane * 8),
-                     smem_addr(st.weights + ph.strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     smem_addr(st.act + g * kActRowBytes + k_slot * kActBlockBytes + 16 * t),
-                     smem_addr(st.act_scale + 2 * t * kActScaleFloats + k_slot)};
-    switch (k_step) { /* 8 warps over 2, 4 or 8 strips */
-      case 4: consume_chunk<4>(nkb, k_slot, u, &empty[s], acc); break;
-      case 2: consume_chunk<2>(nkb, k_slot, u, &empty[s], acc); break;
-      default: consume_chunk<1>(nkb, k_slot, u, &empty[s], acc); break;
-    }
+  switch (k_step) {
+    case 4: consume_chunks_by_units<4>(units, full_chunks, o, ring, full, empty, pos, acc); break;
+    case 2: consume_chunks_by_units<2>(units, full_chunks, o, ring, full, empty, pos, acc); break;
+    default: consume_chunks_by_units<1>(units, full_chunks, o, ring, full, empty, pos, acc); break;
   }
+  if (full_chunks == ph.chunks()) return;
+  const uint32_t stage = ring + pos.stage * kStageBytes;
+  const UnitOffsets last = unit_offsets(ph.strips, strip, k_slot, last_kb);
+  const int last_units = units_in(last_kb, k_slot, k_step);
+  mbar_wait(&full[pos.stage], pos.parity);
+  switch (k_step) {
+    case 4: consume_chunk<4>(last_units, stage, last, &empty[pos.stage], acc); break;
+    case 2: consume_chunk<2>(last_units, stage, last, &empty[pos.stage], acc); break;
+    default: consume_chunk<1>(last_units, stage, last, &empty[pos.stage], acc); break;
+  }
+  pos.advance();
 }
 
 /* Parks this warp's partial sums as [warp][row][token] for the reduction. */
@@ -717,11 +784,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     /* 3./4. the tiles: MMA, then hand the partial sums to an epilogue warp */
     uint64_t *parked = reinterpret_cast<uint64_t *>(smem + L.parked);
     uint64_t *freed = reinterpret_cast<uint64_t *>(smem + L.freed);
-    int it = 0, q = 0;
+    RingPos pos;
+    int q = 0;
     for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, ++q) {
       const TileRef ref = tile_ref(p, index, fc1_tiles);
       float acc[4];
-      consume_tile(p, smem, ref.fc1 ? p.fc1 : p.fc2, it, acc);
+      consume_tile(p, smem, ref.fc1 ? p.fc1 : p.fc2, pos, acc);
       const int e = q % kEpilogueWarps;
       mbar_wait(&freed[e], ((q / kEpilogueWarps) & 1) ^ 1);
       park_partials(reinterpret_cast<float *>(smem + L.reduce) + e * kReduceFloats, acc);
