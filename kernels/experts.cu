@@ -54,7 +54,8 @@ namespace {
 /* ---- constants ---------------------------------------------------------------- */
 /* warp roles: 8 MMA (consumer) warps, a weight producer, an activation producer and
  * 4 epilogue warps, so neither copies nor epilogues ever wait behind each other */
-constexpr int kConsumerWarps = 8;
+constexpr int kConsumerWarpsLog2 = 3;
+constexpr int kConsumerWarps = 1 << kConsumerWarpsLog2;
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kWeightWarp = kConsumerWarps;
 constexpr int kActivationWarp = kWeightWarp + 1;
@@ -419,9 +420,9 @@ __device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k
                      (uint32_t)(kStageActScaleOffset + 4 * (2 * t * kActScaleFloats + k_slot))};
 }
 
-/* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform). */
-__device__ __forceinline__ int units_in(int nkb, int k_slot, int k_step) {
-  return nkb > k_slot ? (nkb - k_slot + k_step - 1) / k_step : 0;
+/* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
+__device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
+  return nkb > k_slot ? (nkb - k_slot + (1 << step_log2) - 1) >> step_log2 : 0;
 }
 
 /* One warp's kUnits units of the stage at shared address `stage`: every shared-memory
@@ -518,11 +519,13 @@ __device__ __forceinline__ void consume_chunks_by_units(int units, int chunks, c
  * chunks are cut equal (moe_layout.cuh); only a shorter last one takes the generic path. */
 __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, RingPos &pos,
                                              float (&acc)[4]) {
-  const int warp = threadIdx.x >> 5, strip = warp % ph.strips, k_slot = warp / ph.strips;
-  const int k_step = kConsumerWarps / ph.strips; /* 8 warps over 2, 4 or 8 strips */
+  /* 8 warps over 2, 4 or 8 strips: shifts, not divisions, on this per-tile path */
+  const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
+  const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
+  const int k_step = 1 << step_log2;
   const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
   const int full_chunks = last_kb == ph.chunk_kb ? ph.chunks() : ph.chunks() - 1;
-  const int units = units_in(ph.chunk_kb, k_slot, k_step);
+  const int units = units_in(ph.chunk_kb, k_slot, step_log2);
   const UnitOffsets o = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb);
   const uint32_t ring = smem_addr(smem + p.smem.ring);
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
@@ -537,7 +540,7 @@ __device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, con
   if (full_chunks == ph.chunks()) return;
   const uint32_t stage = ring + pos.stage * kStageBytes;
   const UnitOffsets last = unit_offsets(ph.strips, strip, k_slot, last_kb);
-  const int last_units = units_in(last_kb, k_slot, k_step);
+  const int last_units = units_in(last_kb, k_slot, step_log2);
   mbar_wait(&full[pos.stage], pos.parity);
   switch (k_step) {
     case 4: consume_chunk<4>(last_units, stage, last, &empty[pos.stage], acc); break;
