@@ -614,7 +614,9 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
 __device__ void finish_fc2_tile(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
                                 const TileRef &ref) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
-  const int quads = strips * kStripRows / 4; /* 4 consecutive output columns per step */
+  /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
+   * 4 or 8), so the item loop splits its index by shifts */
+  const int quads_log2 = __ffs(strips * kStripRows / 4) - 1, quads = 1 << quads_log2;
   const int items = unit.count * quads;
   int token = 0;
   uint32_t slots = 0;
@@ -623,11 +625,11 @@ __device__ void finish_fc2_tile(const Params &p, const float *reduce, const Rout
     for (int j = 0; j < K; ++j) slots |= (uint32_t)(r.pair_expert[token * K + j] == unit.expert) << j;
   }
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
-    const int o = base + lane, token_i = (o < items ? o : items - 1) / quads;
+    const int o = base + lane, token_i = (o < items ? o : items - 1) >> quads_log2;
     const int t = __shfl_sync(0xFFFFFFFFu, token, token_i);
     const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, slots, token_i);
     if (o >= items) continue;
-    const int row4 = (o % quads) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
+    const int row4 = (o & (quads - 1)) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
     const int col0 = ref.tile * strips * kStripRows + row4;
     float v[4];
 #pragma unroll
