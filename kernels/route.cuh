@@ -4,9 +4,10 @@
  * in its own shared memory, so no routing kernel and no grid-wide barrier is needed
  * before weights can stream (a separate routing launch costs more than the whole B=1
  * floor). A group of kRouteThreads threads routes and syncs on its own named barrier,
- * so the rest of the CTA can do other work meanwhile; `tid` is a thread's index in it. Everything is deterministic: the expert order is the order of first
- * appearance in the pairs, and the tokens of an expert are in ascending token order
- * (a 64-bit token mask per expert), so all CTAs agree on every row index.
+ * so the rest of the CTA can do other work meanwhile; `tid` is a thread's index in it.
+ * Everything is deterministic: the expert order is the order of first appearance in
+ * the pairs, and the tokens of an expert are in ascending token order (a 64-bit token
+ * mask per expert), so all CTAs agree on every row index.
  *
  *   pair_expert[p]     expert of pair p = t * K + j, or -1 for an id outside [0, E)
  *   expert_slot[e]     compact index c of expert e (first its first pair, see below)
@@ -22,6 +23,7 @@
 #include <stdint.h>
 
 #include "moe_layout.cuh"
+#include "pipeline.cuh"
 
 namespace kx {
 
@@ -84,9 +86,7 @@ __device__ __forceinline__ int hidden_row(const Routing &r, int c, int t) {
   return (r.expert_scan[c] >> 16) + __popcll(below);
 }
 
-__device__ __forceinline__ void route_sync() {
-  asm volatile("bar.sync %0, %1;" ::"n"(kRouteBarrier), "n"(kRouteThreads) : "memory");
-}
+__device__ __forceinline__ void route_sync() { named_barrier(kRouteBarrier, kRouteThreads); }
 
 /* In-place exclusive prefix sum of v[0..n) by the routing group; returns the total. */
 __device__ int group_exclusive_scan(int *v, int n, int *warp_tmp, int tid) {
