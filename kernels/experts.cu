@@ -81,7 +81,7 @@ static_assert(kThreads - kConsumerThreads == kRouteThreads, "the warps that are 
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
 static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
-static_assert(kUnitsPerWarp == 8, "consume_chunk dispatches 1..8 units per warp and chunk");
+static_assert(kUnitsPerWarp == 8, "consume_phase dispatches 0..8 units per warp and chunk");
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 struct SyncWords {
@@ -427,10 +427,12 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
 
 /* One warp's kUnits units of the stage at shared address `stage`: every shared-memory
  * load first (unit by unit), then the stage is released, then decode + MMA with no
- * branch between units. A warp without units only releases the stage. */
-template <int kUnits, int kStep>
+ * branch between units. A warp without units only releases the stage. kPartial: a
+ * tile's shorter last chunk, where only the first `units` count (the others read other
+ * bytes of the same stage and are left out of the sums). */
+template <int kUnits, int kStep, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets &o, uint64_t *empty,
-                                              float (&acc)[4]) {
+                                              float (&acc)[4], int units = kUnits) {
   const int lane = threadIdx.x & 31;
   if constexpr (kUnits == 0) {
     __syncwarp();
@@ -461,93 +463,13 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
       float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       mma_f16(d, a_lo, b[j].x, b[j].y);
       mma_f16(d, a_hi, b[j].z, b[j].w);
+      if (kPartial && j >= units) continue;
       acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
       acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
       acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
       acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
     }
   }
-}
-
-template <int kStep>
-__device__ __forceinline__ void consume_chunk(int units, uint32_t stage, const UnitOffsets &o, uint64_t *empty,
-                                              float (&acc)[4]) {
-  switch (units) {
-    case 8: consume_units<8, kStep>(stage, o, empty, acc); break;
-    case 7: consume_units<7, kStep>(stage, o, empty, acc); break;
-    case 6: consume_units<6, kStep>(stage, o, empty, acc); break;
-    case 5: consume_units<5, kStep>(stage, o, empty, acc); break;
-    case 4: consume_units<4, kStep>(stage, o, empty, acc); break;
-    case 3: consume_units<3, kStep>(stage, o, empty, acc); break;
-    case 2: consume_units<2, kStep>(stage, o, empty, acc); break;
-    case 1: consume_units<1, kStep>(stage, o, empty, acc); break;
-    default: consume_units<0, kStep>(stage, o, empty, acc); break;
-  }
-}
-
-/* A tile's full chunks for a warp with kUnits units in each: the chunk loop does no
- * dispatch and no division (ncu, v10 at B = 8: the per-chunk bookkeeping of the generic
- * loop took 23 % of the MMA warps' samples). */
-template <int kUnits, int kStep>
-__device__ __forceinline__ void consume_chunks(int chunks, const UnitOffsets &o, uint32_t ring, uint64_t *full,
-                                               uint64_t *empty, RingPos &pos, float (&acc)[4]) {
-  for (int c = 0; c < chunks; ++c, pos.advance()) {
-    mbar_wait(&full[pos.stage], pos.parity);
-    consume_units<kUnits, kStep>(ring + pos.stage * kStageBytes, o, &empty[pos.stage], acc);
-  }
-}
-
-template <int kStep>
-__device__ __forceinline__ void consume_chunks_by_units(int units, int chunks, const UnitOffsets &o, uint32_t ring,
-                                                        uint64_t *full, uint64_t *empty, RingPos &pos,
-                                                        float (&acc)[4]) {
-  switch (units) {
-    case 8: consume_chunks<8, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 7: consume_chunks<7, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 6: consume_chunks<6, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 5: consume_chunks<5, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 4: consume_chunks<4, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 3: consume_chunks<3, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 2: consume_chunks<2, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    case 1: consume_chunks<1, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-    default: consume_chunks<0, kStep>(chunks, o, ring, full, empty, pos, acc); break;
-  }
-}
-
-/* acc: rows g / g+8 x token columns 2t / 2t+1 of this warp's strip, summed over this
- * warp's k-blocks (a fixed set in a fixed order, so the result is deterministic). The
- * chunks are cut equal (moe_layout.cuh); only a shorter last one takes the generic path. */
-__device__ __forceinline__ void consume_tile(const Params &p, uint8_t *smem, const PhaseShape &ph, RingPos &pos,
-                                             float (&acc)[4]) {
-  /* 8 warps over 2, 4 or 8 strips: shifts, not divisions, on this per-tile path */
-  const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
-  const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
-  const int k_step = 1 << step_log2;
-  const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
-  const int full_chunks = last_kb == ph.chunk_kb ? ph.chunks() : ph.chunks() - 1;
-  const int units = units_in(ph.chunk_kb, k_slot, step_log2);
-  const UnitOffsets o = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb);
-  const uint32_t ring = smem_addr(smem + p.smem.ring);
-  uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
-  uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
-  switch (k_step) {
-    case 4: consume_chunks_by_units<4>(units, full_chunks, o, ring, full, empty, pos, acc); break;
-    case 2: consume_chunks_by_units<2>(units, full_chunks, o, ring, full, empty, pos, acc); break;
-    default: consume_chunks_by_units<1>(units, full_chunks, o, ring, full, empty, pos, acc); break;
-  }
-  if (full_chunks == ph.chunks()) return;
-  const uint32_t stage = ring + pos.stage * kStageBytes;
-  const UnitOffsets last = unit_offsets(ph.strips, strip, k_slot, last_kb);
-  const int last_units = units_in(last_kb, k_slot, step_log2);
-  mbar_wait(&full[pos.stage], pos.parity);
-  switch (k_step) {
-    case 4: consume_chunk<4>(last_units, stage, last, &empty[pos.stage], acc); break;
-    case 2: consume_chunk<2>(last_units, stage, last, &empty[pos.stage], acc); break;
-    default: consume_chunk<1>(last_units, stage, last, &empty[pos.stage], acc); break;
-  }
-  pos.advance();
 }
 
 /* Parks this warp's partial sums as [warp][row][token] for the reduction. */
@@ -558,6 +480,101 @@ __device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[
   r[g * kGroupTokens + 2 * t + 1] = acc[1];
   r[(g + 8) * kGroupTokens + 2 * t] = acc[2];
   r[(g + 8) * kGroupTokens + 2 * t + 1] = acc[3];
+}
+
+/* What one MMA warp does in every tile of a phase, fixed once per phase: 8 warps over 2,
+ * 4 or 8 strips (shifts, no divisions), the units of its full chunks and of a shorter
+ * last chunk (chunks are cut equal, moe_layout.cuh, so most shapes have none). */
+struct ConsumerPlan {
+  int k_step, units, full_chunks, last_units;
+  bool short_last;
+  UnitOffsets full, last;
+};
+
+__device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph) {
+  const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
+  const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
+  const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
+  ConsumerPlan cp;
+  cp.k_step = 1 << step_log2;
+  cp.units = units_in(ph.chunk_kb, k_slot, step_log2);
+  cp.short_last = last_kb < ph.chunk_kb;
+  cp.full_chunks = cp.short_last ? ph.chunks() - 1 : ph.chunks();
+  cp.last_units = units_in(last_kb, k_slot, step_log2);
+  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb);
+  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb);
+  return cp;
+}
+
+/* The ring as the MMA warps see it. */
+struct ConsumerRing {
+  uint32_t stages; /* shared address of stage 0 */
+  uint64_t *full, *empty;
+  RingPos pos;
+};
+
+/* Hands a tile's partial sums to epilogue warp q % kEpilogueWarps. */
+__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, int q, const float (&acc)[4]) {
+  uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
+  uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
+  const int e = q % kEpilogueWarps;
+  mbar_wait(&freed[e], ((q / kEpilogueWarps) & 1) ^ 1);
+  park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
+}
+
+/* This CTA's tiles index, index + grid, ... < end, all of one phase: the loop holds no
+ * per-tile dispatch, division or phase lookup (ncu, v10 at B = 8: the per-chunk
+ * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
+ * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
+ * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
+template <int kUnits, int kStep>
+__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp, int index, int end,
+                                    ConsumerRing &ring, int &q) {
+  for (; index < end; index += gridDim.x, ++q) {
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance()) {
+      mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      consume_units<kUnits, kStep>(ring.stages + ring.pos.stage * kStageBytes, cp.full, &ring.empty[ring.pos.stage],
+                                   acc);
+    }
+    if (cp.short_last) {
+      mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      consume_units<kUnits, kStep, true>(ring.stages + ring.pos.stage * kStageBytes, cp.last,
+                                         &ring.empty[ring.pos.stage], acc, cp.last_units);
+      ring.pos.advance();
+    }
+    hand_off(p, smem, q, acc);
+  }
+}
+
+template <int kStep>
+__device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
+                                                       int index, int end, ConsumerRing &ring, int &q) {
+  switch (cp.units) {
+    case 8: consume_phase_tiles<8, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 7: consume_phase_tiles<7, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 6: consume_phase_tiles<6, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 5: consume_phase_tiles<5, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 4: consume_phase_tiles<4, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 3: consume_phase_tiles<3, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 2: consume_phase_tiles<2, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 1: consume_phase_tiles<1, kStep>(p, smem, cp, index, end, ring, q); break;
+    default: consume_phase_tiles<0, kStep>(p, smem, cp, index, end, ring, q); break;
+  }
+}
+
+/* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
+ * below `end`; the dispatch on the warp's plan happens once here. */
+__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const PhaseShape &ph, int index,
+                                              int end, ConsumerRing &ring, int &q) {
+  const ConsumerPlan cp = consumer_plan(ph);
+  switch (cp.k_step) {
+    case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring, q); break;
+    case 2: consume_phase_by_units<2>(p, smem, cp, index, end, ring, q); break;
+    default: consume_phase_by_units<1>(p, smem, cp, index, end, ring, q); break;
+  }
 }
 
 /* Sum over the warps that share a strip, in warp order; times the FP4 placement gain. */
@@ -786,21 +803,17 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   } else {
     /* 2. the rows no tile will write */
     write_nan_rows(p, r);
-    /* 3./4. the tiles: MMA, then hand the partial sums to an epilogue warp */
-    uint64_t *parked = reinterpret_cast<uint64_t *>(smem + L.parked);
-    uint64_t *freed = reinterpret_cast<uint64_t *>(smem + L.freed);
-    RingPos pos;
+    /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
+    ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
+                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}};
     int q = 0;
-    for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, ++q) {
-      const TileRef ref = tile_ref(p, index, fc1_tiles);
-      float acc[4];
-      consume_tile(p, smem, ref.fc1 ? p.fc1 : p.fc2, pos, acc);
-      const int e = q % kEpilogueWarps;
-      mbar_wait(&freed[e], ((q / kEpilogueWarps) & 1) ^ 1);
-      park_partials(reinterpret_cast<float *>(smem + L.reduce) + e * kReduceFloats, acc);
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
-    }
+    const int first_fc2 = (int)blockIdx.x >= fc1_tiles
+                              ? (int)blockIdx.x
+                              : (int)blockIdx.x + (fc1_tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * (int)gridDim.x;
+#pragma unroll 1
+    for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
+      consume_phase(p, smem, fc1 ? p.fc1 : p.fc2, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles,
+                    ring, q);
   }
 
   /* 5. the last CTA out cleans the counters for the next call */

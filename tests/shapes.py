@@ -51,6 +51,9 @@ SMALL_SHAPES = [
     dict(name="h128-i32-e3-k7", H=128, I=32, E=3, top_k=7, hidden_scale="floor"),
     dict(name="h192-i96-e7-k3", H=192, I=96, E=7, top_k=3, hidden_scale="rceil"),
     dict(name="h64-i64-e5-k32", H=64, I=64, E=5, top_k=32, hidden_scale="rceil"),
+    # K not a multiple of the GPU's chunk in either GEMM (68 = 23 + 23 + 22 and 9 = 5 + 4
+    # k-blocks): the kernel's shorter last chunk
+    dict(name="h2176-i288-e3-k2", H=2176, I=288, E=3, top_k=2, hidden_scale="floor"),
 ]
 
 
