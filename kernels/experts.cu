@@ -393,7 +393,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
   }
 }
 
-/* ---- consumers: decode + MMA over one tile's chunks ------------------------------------ */
+/* ---- consumers: decode + MMA over a phase's tiles -------------------------------------- */
 /* A consumer's place in the ring: the stage it reads next and that stage's phase parity. */
 struct RingPos {
   int stage = 0;
@@ -530,8 +530,8 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, int q, 
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
 template <int kUnits, int kStep>
-__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp, int index, int end,
-                                    ConsumerRing &ring, int &q) {
+__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
+                                                    int index, int end, ConsumerRing &ring, int &q) {
   for (; index < end; index += gridDim.x, ++q) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance()) {
@@ -807,9 +807,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                       reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}};
     int q = 0;
+    /* this CTA's first FC2 tile: the first of its tiles (blockIdx.x, + gridDim.x, ...) at
+     * or past fc1_tiles */
     const int first_fc2 = (int)blockIdx.x >= fc1_tiles
                               ? (int)blockIdx.x
-                              : (int)blockIdx.x + (fc1_tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * (int)gridDim.x;
+                              : (int)blockIdx.x + (fc1_tiles - (int)blockIdx.x + (int)gridDim.x - 1) /
+                                                      (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
       consume_phase(p, smem, fc1 ? p.fc1 : p.fc2, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles,
