@@ -83,6 +83,15 @@ static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same un
 static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
 static_assert(kUnitsPerWarp == 8, "consume_phase dispatches 0..8 units per warp and chunk");
 
+/* FC2's hidden rows travel in unit blocks: chunk c of hidden row r sits at block row
+ * c * hidden_rows + r, so the rows of a unit for one chunk are one contiguous copy (one
+ * per row before, which kept the activation producer issuing copies for half the call at
+ * B = 64). The row pitch is a multiple of 128 bytes plus 64, so the 8 rows' 16-byte
+ * fragment loads hit all banks; the scale pitch is 4 more than a multiple of 8 floats, so
+ * tokens 2t and 2t+1 of a quad land in different banks. FC1's x rows stay per token. */
+KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return (ph.chunk_kb * kActBlockBytes + 127) / 128 * 128 + 64; }
+KX_HOST_DEVICE int block_scale_floats(const PhaseShape &ph) { return (ph.chunk_kb + 7) / 8 * 8 + 4; }
+
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 struct SyncWords {
   int xq_ready;               /* CTAs done quantizing x */
@@ -109,8 +118,8 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
   L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.scale_row_floats());
   L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
-  L.hq = at; at = align128(at + 2 * (int64_t)pairs * s.inter);
-  L.hs = at; at = align128(at + 4 * (int64_t)pairs * fc2.scale_row_floats());
+  L.hq = at; at = align128(at + (int64_t)fc2.n_chunks * pairs * block_row_bytes(fc2));
+  L.hs = at; at = align128(at + 4 * (int64_t)fc2.n_chunks * pairs * block_scale_floats(fc2));
   L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
   L.total = at;
   return L;
@@ -177,7 +186,8 @@ struct Params {
   uint8_t *xq; /* f16 codes in fragment order (quantize_store) */
   float *xs;
   float *h;
-  uint8_t *hq; /* likewise */
+  uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
+  int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *hs;
   __nv_bfloat16 *y;
 };
@@ -321,7 +331,7 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
   }
 }
 
-/* Activation rows of a unit for one chunk: lane i copies row i and its scale row, one
+/* FC1's activation rows of a unit for one chunk: lane i copies row i and its scale row, one
  * copy-engine copy each (16-byte cp.async pieces kept this warp issuing for most of the
  * call: ~1.4 kcycles a stage at B = 8). A chunk's scales are rounded up to whole 16 bytes:
  * scratch gives each chunk a whole scale_pitch(), so that stays inside the row. */
@@ -336,6 +346,19 @@ __device__ __forceinline__ void copy_activations(const Stage &st, uint64_t *full
     bulk_copy(st.act + lane * kActRowBytes, q_src + rows[lane] * q_row_stride, (uint32_t)row_bytes, full);
     bulk_copy(st.act_scale + lane * kActScaleFloats, s_src + rows[lane] * s_row_stride, s_bytes, full);
   }
+}
+
+/* A unit's hidden rows and their scales for FC2 chunk c: two copies (unit blocks). */
+__device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
+                                                  int c) {
+  const int64_t block_row = (int64_t)c * p.hidden_rows + unit.row0;
+  const uint32_t row_bytes = block_row_bytes(p.fc2), scale_bytes = 4 * block_scale_floats(p.fc2);
+  if ((threadIdx.x & 31) == 0) {
+    mbar_arrive_expect_tx(full, (uint32_t)unit.count * (row_bytes + scale_bytes));
+    bulk_copy(st.act, p.hq + block_row * row_bytes, (uint32_t)unit.count * row_bytes, full);
+    bulk_copy(st.act_scale, p.hs + block_row * (scale_bytes / 4), (uint32_t)unit.count * scale_bytes, full);
+  }
+  __syncwarp();
 }
 
 /* Whether the units of this CTA's next 32 tiles have their hidden rows: one round trip
@@ -368,8 +391,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
     const Unit unit = unit_info(r, ref.unit);
     __syncwarp();
-    if (lane < unit.count) /* FC1 reads x rows (tokens), FC2 the unit's hidden rows */
-      rows[lane] = ref.fc1 ? nth_set_bit(unit.mask, unit.first_rank + lane) : unit.row0 + lane;
+    if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
     if (ref.fc1 && !x_ready) {
       wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
       fence_proxy_async_global();
@@ -386,9 +408,12 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
       const int nkb = ph.chunk_k_blocks(c);
-      copy_activations(st, &full[s], (ref.fc1 ? p.xq : p.hq) + c * ph.chunk_kb * kActBlockBytes,
-                       (int64_t)ph.k_blocks * kActBlockBytes, (ref.fc1 ? p.xs : p.hs) + c * ph.scale_pitch(),
-                       ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes, nkb * 4);
+      if (ref.fc1)
+        copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
+                         p.xs + c * ph.scale_pitch(), ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes,
+                         nkb * 4);
+      else
+        copy_hidden_block(p, st, &full[s], unit, c);
     }
   }
 }
@@ -407,17 +432,21 @@ struct RingPos {
 };
 
 /* Where one warp's first unit lies in a stage of chunks of nkb k-blocks, as byte offsets
- * from the stage; unit j is kStep k-blocks further, a compile-time offset. */
+ * from the stage; unit j is kStep k-blocks further, a compile-time offset. Activation rows
+ * sit row_bytes apart and scale rows scale_floats apart (per phase: FC1's per-token rows,
+ * FC2's unit blocks). */
 struct UnitOffsets {
-  uint32_t weights, scales, act, act_scale;
+  uint32_t weights, scales, act, act_scale, act_scale_next; /* the last: token 2t+1's */
 };
 
-__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb) {
+__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes,
+                                                    int scale_floats) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
+  const uint32_t act_scale = (uint32_t)(kStageActScaleOffset + 4 * (2 * t * scale_floats + k_slot));
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     (uint32_t)(kStageActOffset + g * kActRowBytes + k_slot * kActBlockBytes + 16 * t),
-                     (uint32_t)(kStageActScaleOffset + 4 * (2 * t * kActScaleFloats + k_slot))};
+                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t), act_scale,
+                     act_scale + 4 * (uint32_t)scale_floats};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
@@ -439,7 +468,7 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
     if (lane == 0) mbar_arrive(empty);
   } else {
     const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = stage + o.act,
-                   act_scale = stage + o.act_scale;
+                   act_scale = stage + o.act_scale, act_scale_next = stage + o.act_scale_next;
     uint2 w[kUnits];
     uint4 b[kUnits];
     uint32_t sw[kUnits];
@@ -449,7 +478,7 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
       w[j] = lds64(weights + j * kStep * kUnitWeightBytes);
       b[j] = lds128(act + j * kStep * kActBlockBytes);
       sx0[j] = lds32(act_scale + 4 * j * kStep);
-      sx1[j] = lds32(act_scale + 4 * (kActScaleFloats + j * kStep));
+      sx1[j] = lds32(act_scale_next + 4 * j * kStep);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
     }
     __syncwarp();
@@ -491,7 +520,7 @@ struct ConsumerPlan {
   UnitOffsets full, last;
 };
 
-__device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph) {
+__device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool fc1) {
   const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
   const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
   const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
@@ -501,8 +530,10 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph) {
   cp.short_last = last_kb < ph.chunk_kb;
   cp.full_chunks = cp.short_last ? ph.chunks() - 1 : ph.chunks();
   cp.last_units = units_in(last_kb, k_slot, step_log2);
-  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb);
-  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb);
+  const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
+  const int scale_floats = fc1 ? kActScaleFloats : block_scale_floats(ph);
+  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes, scale_floats);
+  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes, scale_floats);
   return cp;
 }
 
@@ -567,9 +598,9 @@ __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t 
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
  * below `end`; the dispatch on the warp's plan happens once here. */
-__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const PhaseShape &ph, int index,
-                                              int end, ConsumerRing &ring, int &q) {
-  const ConsumerPlan cp = consumer_plan(ph);
+__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
+                                              ConsumerRing &ring, int &q) {
+  const ConsumerPlan cp = consumer_plan(fc1 ? p.fc1 : p.fc2, fc1);
   switch (cp.k_step) {
     case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring, q); break;
     case 2: consume_phase_by_units<2>(p, smem, cp, index, end, ring, q); break;
@@ -613,8 +644,10 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
       const float4 f = __ldcg(src + i);
       v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
-    quantize_store(v, p.hidden_floor, p.hq + ((int64_t)r * I + kb * kMxBlock) * 2,
-                   p.hs + (int64_t)r * p.fc2.scale_row_floats() + p.fc2.scale_index(kb));
+    const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
+    const int64_t block_row = (int64_t)c * p.hidden_rows + r;
+    quantize_store(v, p.hidden_floor, p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes,
+                   p.hs + block_row * block_scale_floats(p.fc2) + in_chunk);
   }
   __syncwarp();
   if (lane == 0) {
@@ -815,8 +848,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
-      consume_phase(p, smem, fc1 ? p.fc1 : p.fc2, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles,
-                    ring, q);
+      consume_phase(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring, q);
   }
 
   /* 5. the last CTA out cleans the counters for the next call */
@@ -913,6 +945,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.h = (float *)(scratch + S.h);
   p.hq = scratch + S.hq;
   p.hs = (float *)(scratch + S.hs);
+  p.hidden_rows = a->config.chunk_tokens * s.top_k;
   p.y = (__nv_bfloat16 *)(scratch + S.y);
   p.rw_ld = a->weights_row_stride;
   p.x_ld = a->x_row_stride;
