@@ -5,12 +5,12 @@
  *   out[t K + j] = bf16(W2[e] . hq)   or, combined, z[t] = bf16(sum_j w[t,j] out[t K + j]).
  *
  * Why it is shaped this way: decode is memory-bound (k3-tp8 B=1 reads 35 MB of FP4 and
- * does almost no math), so the kernel is a weight stream. One CTA per SM, 14 warps:
+ * does almost no math), so the kernel is a weight stream. One CTA per SM, 22 warps:
  *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
  *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
  *   - an activation producer copies the unit's activation rows into the same stage, one
  *     bulk copy per row, waiting for them where other CTAs produce them;
- *   - 8 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
+ *   - 16 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
  *     8-column side) and fold the two E8M0 scales of each 32-block into fp32 sums;
@@ -26,7 +26,7 @@
  *      of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
  *      scratch and a grid-wide counter says done (the activation producer waits for it
  *      before the first activation copy);
- *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 8 warps split K,
+ *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
  *      and releases it;
@@ -52,9 +52,12 @@ namespace kx {
 namespace {
 
 /* ---- constants ---------------------------------------------------------------- */
-/* warp roles: 8 MMA (consumer) warps, a weight producer, an activation producer and
- * 4 epilogue warps, so neither copies nor epilogues ever wait behind each other */
-constexpr int kConsumerWarpsLog2 = 3;
+/* warp roles: 16 MMA (consumer) warps, a weight producer, an activation producer and
+ * 4 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
+ * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
+ * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
+ * latencies better (-4.5 % at B = 8; 80 registers, no spills). */
+constexpr int kConsumerWarpsLog2 = 4;
 constexpr int kConsumerWarps = 1 << kConsumerWarpsLog2;
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kWeightWarp = kConsumerWarps;
@@ -81,7 +84,7 @@ static_assert(kThreads - kConsumerThreads == kRouteThreads, "the warps that are 
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
 static_assert(kGroupTokens == 8, "a unit's tokens are one MMA n-tile");
-static_assert(kUnitsPerWarp == 8, "consume_phase dispatches 0..8 units per warp and chunk");
+static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp and chunk");
 
 /* FC2's hidden rows travel in unit blocks: chunk c of hidden row r sits at block row
  * c * hidden_rows + r, so the rows of a unit for one chunk are one contiguous copy (one
@@ -511,7 +514,7 @@ __device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[
   r[(g + 8) * kGroupTokens + 2 * t + 1] = acc[3];
 }
 
-/* What one MMA warp does in every tile of a phase, fixed once per phase: 8 warps over 2,
+/* What one MMA warp does in every tile of a phase, fixed once per phase: 16 warps over 2,
  * 4 or 8 strips (shifts, no divisions), the units of its full chunks and of a shorter
  * last chunk (chunks are cut equal, moe_layout.cuh, so most shapes have none). */
 struct ConsumerPlan {
@@ -584,10 +587,6 @@ template <int kStep>
 __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                        int index, int end, ConsumerRing &ring, int &q) {
   switch (cp.units) {
-    case 8: consume_phase_tiles<8, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 7: consume_phase_tiles<7, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 6: consume_phase_tiles<6, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 5: consume_phase_tiles<5, kStep>(p, smem, cp, index, end, ring, q); break;
     case 4: consume_phase_tiles<4, kStep>(p, smem, cp, index, end, ring, q); break;
     case 3: consume_phase_tiles<3, kStep>(p, smem, cp, index, end, ring, q); break;
     case 2: consume_phase_tiles<2, kStep>(p, smem, cp, index, end, ring, q); break;
@@ -602,9 +601,9 @@ __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bo
                                               ConsumerRing &ring, int &q) {
   const ConsumerPlan cp = consumer_plan(fc1 ? p.fc1 : p.fc2, fc1);
   switch (cp.k_step) {
+    case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring, q); break;
     case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring, q); break;
-    case 2: consume_phase_by_units<2>(p, smem, cp, index, end, ring, q); break;
-    default: consume_phase_by_units<1>(p, smem, cp, index, end, ring, q); break;
+    default: consume_phase_by_units<2>(p, smem, cp, index, end, ring, q); break;
   }
 }
 
