@@ -5,7 +5,7 @@
  *   out[t K + j] = bf16(W2[e] . hq)   or, combined, z[t] = bf16(sum_j w[t,j] out[t K + j]).
  *
  * Why it is shaped this way: decode is memory-bound (k3-tp8 B=1 reads 35 MB of FP4 and
- * does almost no math), so the kernel is a weight stream. One CTA per SM, 22 warps:
+ * does almost no math), so the kernel is a weight stream. One CTA per SM, 23 warps:
  *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
  *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
  *   - an activation producer copies the unit's activation rows into the same stage, one
@@ -14,7 +14,7 @@
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
  *     8-column side) and fold the two E8M0 scales of each 32-block into fp32 sums;
- *   - 4 epilogue warps take each tile's partial sums, so the MMA warps never wait on
+ *   - 5 epilogue warps take each tile's partial sums, so the MMA warps never wait on
  *     global memory.
  * Tiles are dealt round-robin over the grid: all FC1 tiles first, then all FC2 tiles, so
  * FC2 weights stream while the last FC1 tiles finish.
@@ -22,7 +22,7 @@
  * Phases inside the launch (no grid-wide barrier on the weight path):
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch);
- *   1. every CTA routes all pairs itself (route.cuh, on its 6 non-MMA warps) -> units
+ *   1. every CTA routes all pairs itself (route.cuh, on its 7 non-MMA warps) -> units
  *      of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
  *      scratch and a grid-wide counter says done (the activation producer waits for it
  *      before the first activation copy);
@@ -53,17 +53,19 @@ namespace {
 
 /* ---- constants ---------------------------------------------------------------- */
 /* warp roles: 16 MMA (consumer) warps, a weight producer, an activation producer and
- * 4 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
+ * 5 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
- * latencies better (-4.5 % at B = 8; 80 registers, no spills). */
+ * latencies better (-4.5 % at B = 8; 80 registers, no spills). Their partial sums then
+ * take twice the reduction work, and a fifth epilogue warp gives back what the MMA
+ * warps waited for a free slot (-3.4 % at B = 64). */
 constexpr int kConsumerWarpsLog2 = 4;
 constexpr int kConsumerWarps = 1 << kConsumerWarpsLog2;
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kWeightWarp = kConsumerWarps;
 constexpr int kActivationWarp = kWeightWarp + 1;
 constexpr int kFirstEpilogueWarp = kActivationWarp + 1;
-constexpr int kEpilogueWarps = 4;
+constexpr int kEpilogueWarps = 5;
 constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
