@@ -184,11 +184,13 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
   for (int p = tid; p < pairs; p += kRouteThreads) {
     const int e = r.pair_expert[p];
     if (e < 0) continue;
-    const int t = p / top_k, j = p % top_k;
-    atomicOr(&r.token_mask[r.expert_slot[e]], 1ull << t);
-    bool repeat = false;
-    for (int jj = 0; jj < j; ++jj) repeat |= r.pair_expert[t * top_k + jj] == e;
-    if (!repeat) atomicAdd(&r.token_experts[t], 1);
+    /* token t's bit sits in one 32-bit half of the mask: a native shared atomic (a 64-bit
+     * OR is a compare-and-swap loop); the bit it finds already set marks a repeat of this
+     * expert in another slot of the token, so no scan of the token's slots is needed */
+    const int t = p / top_k;
+    uint32_t *half = reinterpret_cast<uint32_t *>(&r.token_mask[r.expert_slot[e]]) + (t >> 5);
+    const uint32_t bit = 1u << (t & 31);
+    if (!(atomicOr(half, bit) & bit)) atomicAdd(&r.token_experts[t], 1);
   }
   route_sync();
 
