@@ -8,8 +8,9 @@
  * does almost no math), so the kernel is a weight stream. One CTA per SM, 23 warps:
  *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
  *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
- *   - an activation producer copies the unit's activation rows into the same stage, one
- *     bulk copy per row, waiting for them where other CTAs produce them;
+ *   - an activation producer copies the unit's activation rows into the same stage (a
+ *     bulk copy per x row for FC1, one per unit block of hidden rows for FC2), waiting
+ *     for them where other CTAs produce them;
  *   - 16 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
