@@ -18,8 +18,8 @@
  *             tile under 32 KB and H % 128 == 0: HBM streams small tiles scattered over
  *             many experts slower (H200, one CTA per SM: 2.9 TB/s in random 13 KB
  *             pieces, 4.2 in random 61 KB pieces, 4.3 sequential)
- * Every chunk shape carries at most 64 units, so the 8 consumer warps split every stage
- * evenly.
+ * Every chunk shape carries at most 64 units, so the experts kernel's 16 MMA warps split
+ * every stage evenly (4 units each).
  * The packed bytes equal the standard layout's (no padding): E * (2I*H/2 + 2I*H/32
  * + H*I/2 + H*I/32).
  */
