@@ -111,8 +111,12 @@ struct ScratchLayout {
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
 
+/* (token, slot) pairs of a launch of launch_tokens tokens: the rows of h and of the unit
+ * blocks, and what the routing tables are sized for. */
+KX_HOST_DEVICE int launch_pairs(const kx_moe_shape &s, int launch_tokens) { return launch_tokens * s.top_k; }
+
 KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_tokens) {
-  const int pairs = launch_tokens * s.top_k, units = max_units_for(pairs);
+  const int pairs = launch_pairs(s, launch_tokens), units = max_units_for(pairs);
   const PhaseShape fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   const PhaseShape fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   ScratchLayout L;
@@ -893,7 +897,7 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   *config = kx_moe_config{};
   if (!shape_ok(*shape)) return cudaErrorInvalidValue;
   const int tokens = launch_tokens_for(*shape);
-  const SmemLayout L = smem_layout(shape->experts, tokens * shape->top_k);
+  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens));
   int sms = 0, max_smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
@@ -931,7 +935,8 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.shape = s;
   p.fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   p.fc2 = fc2_shape(s.experts, s.hidden, s.inter);
-  p.smem = smem_layout(s.experts, a->config.chunk_tokens * s.top_k);
+  const int pairs = launch_pairs(s, a->config.chunk_tokens);
+  p.smem = smem_layout(s.experts, pairs);
   p.packed = (const uint8_t *)a->packed;
   p.out = (__nv_bfloat16 *)a->out;
   p.out_ld = a->out_row_stride;
@@ -947,7 +952,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.h = (float *)(scratch + S.h);
   p.hq = scratch + S.hq;
   p.hs = (float *)(scratch + S.hs);
-  p.hidden_rows = a->config.chunk_tokens * s.top_k;
+  p.hidden_rows = pairs;
   p.y = (__nv_bfloat16 *)(scratch + S.y);
   p.rw_ld = a->weights_row_stride;
   p.x_ld = a->x_row_stride;
