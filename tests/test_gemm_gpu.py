@@ -18,7 +18,8 @@ DEV = "cuda"
 # (N, K, split, valid): the MoE front's shapes, with a split epilogue of router logits
 # (valid experts, padded to split) and a latent shard.
 SHAPES = [(1024, 7168, 512, 384), (4096, 7168, 512, 384), (7168, 2048, 128, 100),
-          (256, 64, 128, 64), (1536, 7168, 512, 384), (384, 128, 256, 250)]
+          (256, 64, 128, 64), (1536, 7168, 512, 384), (384, 128, 256, 250),
+          (20000, 256, 512, 384)]  # tile_n 256: two 64-row blocks per consumer warpgroup
 MS = list(range(1, 65)) + [65, 77, 100, 127, 128, 200, 256]
 
 
