@@ -147,6 +147,7 @@ struct Params {
   int32_t n, k, m;          /* m: rows of x in this launch, 1..64 */
   int32_t tile_n, cluster, smem_bytes;
   int32_t split_epilogue, valid, split;
+  int32_t early_trigger; /* DEV A/B */
   uint16_t *y;
   int64_t y_row_stride;
   float *logits;
@@ -355,6 +356,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     fence_barrier_init();
   }
   __syncthreads();
+  if (p.early_trigger) allow_dependents();
 
   if (warp == kProducerWarp) {
     /* ---- producer: weights for the whole ring first, then wait, then x ----------------- */
@@ -740,6 +742,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     p.split_epilogue = a->split_epilogue ? 1 : 0;
     p.valid = a->valid;
     p.split = a->split;
+    p.early_trigger = getenv("KX_DEV_GEMM_EARLY") != nullptr;
     p.y = a->split_epilogue ? nullptr : a->y + r0 * a->y_row_stride;
     p.y_row_stride = a->y_row_stride;
     p.logits = (a->split_epilogue && a->logits) ? a->logits + r0 * a->logits_row_stride : nullptr;
