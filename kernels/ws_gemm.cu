@@ -17,26 +17,24 @@
  *   At M <= 64 this GEMM is a weight stream: N=4096, K=7168 reads 58.7 MB of weights for at most
  *   3.8 GFLOP, so its time is weight bytes / HBM bandwidth plus whatever does not overlap that
  *   stream: the launch, the pipeline fill, the split-K reduction and the epilogue.
- *   - Grid. At most one CTA of a launch per SM, clusters of C CTAs. A cluster owns a tile of
- *     R = tile_n rows of W (64, 128 or 256); its C CTAs split K into C contiguous ranges of
- *     64-wide "units". kx_gemm_configure picks (R, C) deterministically: fewest waves (each wave
- *     pays the pipeline fill and the reduction again), then fewest weight bytes per CTA (= most
- *     SMs streaming), then R = 128 before 256 before 64 (x is re-read once per tile, partial sums
- *     grow with R), then the smaller cluster (cheaper reduction).
- *     N=4096, K=7168 -> R=128, C=4: 32 clusters x 4 = 128 CTAs of 128 rows x 1792 k (458 KB).
- *   - Half an SM per CTA, so that launches overlap. A CTA takes half of an SM's shared memory
- *     (and at most half its registers): the next launch's CTA fits beside it. Each CTA triggers
- *     its dependents (griddepcontrol.launch_dependents) once its producer has issued its last
- *     copy; from then on the next launch's CTAs start on the same SMs and fill their rings with
- *     weights while this launch drains its ring, reduces and writes. HBM stays busy across the
- *     boundary instead of idling through one launch's tail and the next one's first copies.
+ *   - Grid. One CTA per SM (it takes all 227 KB of shared memory), clusters of C CTAs. A cluster
+ *     owns a tile of R = tile_n rows of W (64, 128 or 256); its C CTAs split K into C contiguous
+ *     ranges of 64-wide "units". kx_gemm_configure picks (R, C) deterministically: fewest waves
+ *     (each wave pays the pipeline fill and the reduction again), then fewest weight bytes per CTA
+ *     (= most SMs streaming), then R = 128 before 256 before 64 (x is re-read once per tile,
+ *     partial sums grow with R), then the smaller cluster (cheaper reduction).
+ *     N=4096, K=7168 on the H200 -> R=64, C=2: 64 clusters x 2 = 128 CTAs of 64 rows x 3584 k
+ *     (458 KB); R=128, C=4 streams the same bytes per CTA, but fewer than 128 CTAs of 4-CTA
+ *     clusters fit at once (a second wave: 22.7 us instead of 17.1 in a dev harness).
  *   - Pipeline. One producer lane issues TMA tensor copies (cp.async.bulk.tensor, 128B swizzle) of
  *     one unit per stage: W[R rows x 64 k] and x[8G tokens x 64 k] (rows past N or M are zero-filled
  *     by the TMA), into a ring of stages guarded by full/empty mbarriers; two consumer warpgroups
- *     run the MMAs. One 16 KB copy per 16 KB of weights keeps the producer's work negligible.
- *   - Weight-stationary + programmatic dependent launch. The producer fills EVERY ring stage with
- *     weights BEFORE griddepcontrol.wait (at R = 128: 96 KB of a 458 KB slice at M <= 16, 64 KB at
- *     M = 64). Only x (which the predecessor may write) and the outputs wait.
+ *     run the MMAs. One copy per R x 128 bytes of weights (8-32 KB) keeps the producer's work small.
+ *   - Weight-stationary + programmatic dependent launch. The kernel triggers its dependents at once
+ *     (griddepcontrol.launch_dependents), and the producer fills EVERY ring stage with weights
+ *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 112 KB (M = 64) of a 458 KB slice
+ *     is requested while the predecessor still runs. Only x (which the predecessor may write) and
+ *     the outputs wait. The rest of the slice streams through the ring afterwards.
  *   - MMA. wgmma m64nNk16 bf16 with both operands read by the tensor core from the TMA's
  *     128B-swizzled tiles as they land (K-major, the layout wgmma's descriptors name directly):
  *     64 weight rows on its M side, all 8G token rows of the launch on its N side (N = 16, 32 or
@@ -44,10 +42,10 @@
  *     unit's instructions in flight while it waits for the next unit's copies.
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
- *   - Reduction, deterministic. Each CTA's warpgroups write their fp32 partial sums to shared
- *     memory (over the drained ring); then cluster rank c sums rows [c R/C, (c+1) R/C) of all C
- *     CTAs' partials through distributed shared memory in rank order 0..C-1 and writes the
- *     epilogue (reduce-scatter: every CTA reads R/C rows, a quarter of its tile at C = 4).
+ *   - Reduction, deterministic. The warpgroups write their fp32 partial sums to shared memory
+ *     (over the drained ring); then cluster rank c sums rows [c R/C, (c+1) R/C) of all C CTAs'
+ *     partials through distributed shared memory in rank order 0..C-1 and writes the epilogue
+ *     (reduce-scatter: every CTA reads R/C rows).
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
@@ -93,7 +91,6 @@ constexpr int kConsumerWarpgroups = 2;
 constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 constexpr int kProducerWarp = kConsumerWarps; /* the last warp; only its lane 0 issues copies */
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
-constexpr int kCtasPerSm = 2;              /* this launch's CTA + the next launch's */
 constexpr int kMaxM = 64;                  /* rows of x per launch */
 constexpr int kMaxStages = 32;
 constexpr int kMaxCluster = 8;             /* portable cluster size limit */
@@ -147,7 +144,6 @@ struct Params {
   int32_t n, k, m;          /* m: rows of x in this launch, 1..64 */
   int32_t tile_n, cluster, smem_bytes;
   int32_t split_epilogue, valid, split;
-  int32_t early_trigger; /* DEV A/B */
   uint16_t *y;
   int64_t y_row_stride;
   float *logits;
@@ -318,7 +314,7 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
  * branch (the compiler would serialize them). */
 template <int kGroups, int kBlocks>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+__global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                    const __grid_constant__ CUtensorMap x_map, const Params p) {
   static_assert(kGroups == 2 || kGroups == 4 || kGroups == 8, "a wgmma N of 16, 32 or 64 tokens");
@@ -356,7 +352,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     fence_barrier_init();
   }
   __syncthreads();
-  if (p.early_trigger) allow_dependents();
+  /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
+   * own weights on the SMs we leave free or free up. */
+  allow_dependents();
 
   if (warp == kProducerWarp) {
     /* ---- producer: weights for the whole ring first, then wait, then x ----------------- */
@@ -387,9 +385,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           phase ^= 1u;
         }
       }
-      /* Every copy is issued: the next launch may take the other half of the SM and start its
-       * weight copies while this CTA drains its ring. */
-      allow_dependents();
     }
     __syncwarp();
   } else {
@@ -629,22 +624,12 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
     return err;
   if (major != 9 || minor != 0) return cudaErrorInvalidDevice; /* sm_90a code only */
 
-  /* Half of an SM's shared memory (less the per-CTA reservation): the next launch's CTA fits
-   * beside this one's. The attribute allows all of it, so that the occupancy queries below can
-   * count CTAs at one per SM. */
-  int smem_per_sm = 0, smem_reserved = 0;
-  if ((err = cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                    device)) ||
-      (err = cudaDeviceGetAttribute(&smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, device)))
-    return err;
-  int smem_bytes = smem_per_sm / kCtasPerSm - smem_reserved;
-  if (smem_bytes > smem_optin) smem_bytes = smem_optin;
-  const char *smem_env = getenv("KX_DEV_GEMM_FULL_SMEM"); /* DEV A/B: one CTA per SM */
-  if (smem_env != nullptr && strcmp(smem_env, "1") == 0) smem_bytes = smem_optin;
+  /* All of shared memory: more ring stages = more weights requested before the wait. */
+  const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
     for (int tile_n : kTileChoices) {
       err = cudaFuncSetAttribute(kernel_for(groups, tile_n),
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin);
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
       if (err != cudaSuccess) return err;
     }
 
@@ -662,8 +647,7 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
     for (int cluster : kClusterChoices) {
       if (cluster > k_units) continue;
       int resident = 0;
-      /* waves count one CTA per SM: the second place is the next launch's */
-      err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_optin, sms, &resident);
+      err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
         cudaGetLastError(); /* an unsupported cluster size is not fatal: skip it */
         continue;
@@ -742,7 +726,6 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     p.split_epilogue = a->split_epilogue ? 1 : 0;
     p.valid = a->valid;
     p.split = a->split;
-    p.early_trigger = getenv("KX_DEV_GEMM_EARLY") != nullptr;
     p.y = a->split_epilogue ? nullptr : a->y + r0 * a->y_row_stride;
     p.y_row_stride = a->y_row_stride;
     p.logits = (a->split_epilogue && a->logits) ? a->logits + r0 * a->logits_row_stride : nullptr;

@@ -185,6 +185,27 @@ def test_deterministic(kx, weights):
     sync_or_die("gemm determinism")
 
 
+@pytest.mark.parametrize("N,K", [(4096, 7168), (256, 64), (20000, 256)], ids=str)
+def test_batch_invariant(kx, weights, N, K):
+    """A token's row is bit-identical whatever batch it runs in (each wgmma token width, each
+    tile height): the kernel header and kimi_kernels.h promise it."""
+    W = weights(N, K)
+    x = make_gemm_inputs(64, N, K, seed_of("gpu-gemm-invariant", N, K), DEV)[0]
+    full = torch.empty((64, N), dtype=torch.bfloat16, device=DEV)
+    g = kx.WsGemm(W)
+    g.prepare(64, full)
+    g.run(x)
+    for m, row0 in [(1, 0), (1, 37), (9, 5), (16, 48), (17, 3), (33, 31)]:
+        part = poison_(torch.empty((m, N), dtype=torch.bfloat16, device=DEV))
+        gp = kx.WsGemm(W)
+        gp.prepare(m, part)
+        gp.run(x[row0:row0 + m].contiguous())
+        sync_or_die(f"invariance N={N} K={K} m={m}")
+        same = part.view(torch.int16) == full[row0:row0 + m].view(torch.int16)
+        assert bool(same.all()), (f"N={N} K={K}: rows {row0}..{row0 + m - 1} run alone (m={m}) differ "
+                                  f"from the same rows in a batch of 64 at {int((~same).sum())} elements")
+
+
 def test_device_mismatch(kx, weights):
     W = weights(256, 64)
     g = kx.WsGemm(W)
