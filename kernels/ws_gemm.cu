@@ -23,36 +23,33 @@
  *     (each wave pays the pipeline fill and the reduction again), then fewest weight bytes per CTA
  *     (= most SMs streaming), then R = 128 before 256 before 64 (x is re-read once per tile,
  *     partial sums grow with R), then the smaller cluster (cheaper reduction).
- *     N=4096, K=7168 -> R=128, C=4: 32 clusters x 4 = 128 CTAs of 128 rows x 1792 k (458 KB).
+ *     N=4096, K=7168 on the H200 -> R=64, C=2: 64 clusters x 2 = 128 CTAs of 64 rows x 3584 k
+ *     (458 KB); R=128, C=4 streams the same bytes per CTA, but fewer than 128 CTAs of 4-CTA
+ *     clusters fit at once (a second wave: 22.7 us instead of 17.1 in a dev harness).
  *   - Pipeline. One producer lane issues TMA tensor copies (cp.async.bulk.tensor, 128B swizzle) of
  *     one unit per stage: W[R rows x 64 k] and x[8G tokens x 64 k] (rows past N or M are zero-filled
- *     by the TMA), into a ring of stages guarded by full/empty mbarriers; 8 consumer warps run the
- *     MMAs. One 16 KB copy per 16 KB of weights keeps the producer's work negligible.
+ *     by the TMA), into a ring of stages guarded by full/empty mbarriers; two consumer warpgroups
+ *     run the MMAs. One copy per R x 128 bytes of weights (8-32 KB) keeps the producer's work small.
  *   - Weight-stationary + programmatic dependent launch. The kernel triggers its dependents at once
  *     (griddepcontrol.launch_dependents), and the producer fills EVERY ring stage with weights
- *     BEFORE griddepcontrol.wait: at R = 128, 128 KB (M > 32) to 192 KB (M <= 16) of a 458 KB
- *     slice is requested while the predecessor still runs (at N=1024, K=7168: 96 of 112 KB).
- *     Only x (which the predecessor may write) and the outputs wait. The rest of the slice
- *     streams through the ring afterwards; registers hold no weights across the wait (the
- *     ring already covers what a CTA can hold).
- *   - MMA. mma.sync m16n8k16 bf16 "swap AB": 16 weight rows on the MMA's M side, 8 tokens on its
- *     N side. Fragments come from ldmatrix.x4 straight out of the TMA's 128B-swizzled tiles: each
- *     8-row matrix reads 8 distinct 16-byte bank groups (no conflicts) and lands in the exact
- *     register quad the MMA takes (a 16-byte ld.shared with a K permutation would need 4 register
- *     moves per MMA to build that quad).
- *   - Warps. Consumer warp = (k-group kg, row group rg, token half tg): it owns 64 weight rows
- *     (4 strips) x half of the token groups and consumes every KG-th unit (KG = 4 / (R / 64)).
- *     Splitting tokens (not K) between two warps halves the partial sums the epilogue must reduce.
- *   - Reduction, deterministic. k-groups add up in shared memory in the order kg = 0, 1, ..; then
- *     cluster rank c sums rows [c R/C, (c+1) R/C) of all C CTAs' partials through distributed
- *     shared memory in rank order 0..C-1 and writes the epilogue. All token groups share every
- *     weight load, so they all finish the K loop together; the reduction is one short phase after
- *     it (reduce-scatter: every CTA reads R/C rows, a quarter of its tile at C = 4).
- *   - Batch invariance. Tokens always sit in the same MMA column (token i -> group i / 8 of its
- *     64-row block) and the summation order depends only on (N, K, config), never on M, timing or
- *     the token's neighbours: a token's output is bit-identical at every batch size. For that
- *     reason M <= 16 also runs two token groups (the second partly or wholly empty), which costs
- *     nothing that shows: at M <= 16 the MMAs are a small fraction of the issue slots.
+ *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 112 KB (M = 64) of a 458 KB slice
+ *     is requested while the predecessor still runs. Only x (which the predecessor may write) and
+ *     the outputs wait. The rest of the slice streams through the ring afterwards.
+ *   - MMA. wgmma m64nNk16 bf16 with both operands read by the tensor core from the TMA's
+ *     128B-swizzled tiles as they land (K-major, the layout wgmma's descriptors name directly):
+ *     64 weight rows on its M side, all 8G token rows of the launch on its N side (N = 16, 32 or
+ *     64), 4 instructions per 64-row block per unit, no fragment loads. A warpgroup keeps one
+ *     unit's instructions in flight while it waits for the next unit's copies.
+ *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
+ *     the second one idle) and reads every stage.
+ *   - Reduction, deterministic. The warpgroups write their fp32 partial sums to shared memory
+ *     (over the drained ring); then cluster rank c sums rows [c R/C, (c+1) R/C) of all C CTAs'
+ *     partials through distributed shared memory in rank order 0..C-1 and writes the epilogue
+ *     (reduce-scatter: every CTA reads R/C rows).
+ *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
+ *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
+ *     or the token's neighbours: a token's output is bit-identical at every batch size (the
+ *     tensor core computes every output element of a wgmma alike, whatever its N).
  *
  * Sections: constants / layout helpers (host+device) / device primitives / the kernel (setup,
  * producer, consumers, reduction, epilogue) / host side (tensor maps, configure, run).
@@ -88,73 +85,41 @@ using kx::wait_for_predecessor;
 constexpr int kUnitK = 64;                 /* K elements per pipeline stage ("unit") */
 constexpr int kUnitRowBytes = kUnitK * 2;  /* one unit row of bf16 = one 128-byte swizzle span */
 constexpr int kSwizzleAtomBytes = 1024;    /* 128B swizzle repeats every 8 rows x 128 bytes */
-constexpr int kConsumerWarps = 8;
+constexpr int kMmaK = 16;                  /* K of one wgmma (bf16) */
+constexpr int kBlockRows = 64;             /* weight rows of one wgmma (its M) */
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kConsumerWarps = 4 * kConsumerWarpgroups;
 constexpr int kProducerWarp = kConsumerWarps; /* the last warp; only its lane 0 issues copies */
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
-constexpr int kStrips = 4;                 /* 16-row MMA strips per consumer warp */
-constexpr int kWarpRows = 16 * kStrips;    /* weight rows per consumer warp */
-constexpr int kTokenHalves = 2;            /* consumer warps that share one row group, by tokens */
 constexpr int kMaxM = 64;                  /* rows of x per launch */
-constexpr int kMaxGroups = kMaxM / 8;      /* 8-token MMA groups per launch */
 constexpr int kMaxStages = 32;
 constexpr int kMaxCluster = 8;             /* portable cluster size limit */
 constexpr int kPartialPad = 4;             /* floats of padding per token row of a partial tile */
 constexpr int kConsumerBarrier = 1;        /* named barrier id for the consumer warps (0 = syncthreads) */
 
 static_assert(kUnitRowBytes == 128, "a unit row must be exactly one 128-byte swizzle span");
-static_assert(kWarpRows % 16 == 0, "a warp's rows are whole 16-row strips, so each ldmatrix "
-                                    "8-row matrix starts at a multiple of 8 (swizzle phase 0)");
-static_assert(kConsumerWarps % kTokenHalves == 0, "consumer warps split evenly into token halves");
-static_assert(kMaxGroups % kTokenHalves == 0, "token groups split evenly into halves");
-static_assert((kWarpRows * kUnitRowBytes) % kSwizzleAtomBytes == 0 &&
+static_assert((kBlockRows * kUnitRowBytes) % kSwizzleAtomBytes == 0 &&
                   (8 * kUnitRowBytes) % kSwizzleAtomBytes == 0,
-              "the W and x parts of a stage must each start on a 1024-byte swizzle atom");
-static_assert(kPartialPad % 4 == 0 && kWarpRows % 4 == 0,
+              "every 64-row W block and the x part of a stage start on a 1024-byte swizzle atom");
+static_assert(kPartialPad % 4 == 0 && kBlockRows % 4 == 0,
               "partial rows must keep 16-byte alignment for the epilogue's float4 reads");
 static_assert((2 * kPartialPad) % 32 == 8,
-              "2 * (tile_n + pad) % 32 == 8 makes the fragment stores of lanes (g, q) at row g, "
-              "token 2q hit 32 distinct banks (tile_n is a multiple of 16)");
+              "2 * (tile_n + pad) % 32 == 8 makes the accumulator stores of lanes (g, q) at row g, "
+              "token 2q hit 32 distinct banks (tile_n is a multiple of 32)");
 static_assert(kThreads <= 1024, "one CTA");
 
 /* ===================================================================================== */
 /* Layout helpers, shared by the kernel and the host (one place for the arithmetic)       */
 /* ===================================================================================== */
 
-/* Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside a TMA box written with
- * CU_TENSOR_MAP_SWIZZLE_128B into a 1024-byte aligned buffer whose rows are 128 bytes. */
-__host__ __device__ constexpr uint32_t swizzle128(uint32_t row, uint32_t chunk) {
-  return row * kUnitRowBytes + ((chunk ^ (row & 7u)) << 4);
-}
-
-/* ldmatrix.x4 row addresses. Lane l names row (l & 7) of 8x8 matrix l >> 3.
- * A (weights, m16n8k16 row-major 16 x 16): matrices {rows 0-7, rows 8-15} x {k 0-7, k 8-15},
- * in the order of the fragment registers a0..a3; for MMA k-step j (16j .. 16j + 15 of the unit)
- * lane l reads row (l & 7) + 8 ((l >> 3) & 1), chunk 2j + (l >> 4).
- * B (tokens, 16 x 8 "col", stored token-major): for the MMA pair (2p, 2p + 1) lane l reads token
- * (l & 7), chunk 4p + (l >> 3): registers {b0, b1} of MMA 2p, then of MMA 2p + 1.
- * Offsets below are for j = 0 / p = 0 relative to a row that is a multiple of 8 (so the swizzle
- * phase is (l & 7)); chunk 2j + x = (2j) ^ x and 4p + x = (4p) ^ x for x < 2 resp. x < 4, so
- * step j is `offset ^ (j << 5)` and pair p is `offset ^ (p << 6)`: each 8-row matrix reads 8
- * distinct 16-byte bank groups (the swizzle), no bank conflicts, no shuffles. */
-__host__ __device__ constexpr uint32_t a_lane_offset(uint32_t lane) {
-  return swizzle128((lane & 7u) + 8u * ((lane >> 3) & 1u), lane >> 4);
-}
-__host__ __device__ constexpr uint32_t b_lane_offset(uint32_t lane) {
-  return swizzle128(lane & 7u, lane >> 3);
-}
-constexpr uint32_t kStepXor = 1u << 5; /* A: k-step j of a unit -> address ^ (j * kStepXor) */
-constexpr uint32_t kPairXor = 1u << 6; /* B: MMA pair p of a unit -> address ^ (p * kPairXor) */
-
 /* Shared-memory plan of one launch: the ring of stages, its barriers and, after the K loop,
- * the partial-sum slices (which reuse the ring). */
+ * the partial sums (which reuse the ring). */
 struct SmemPlan {
   int32_t w_bytes;     /* W part of a stage: tile_n rows x 128 bytes */
   int32_t x_bytes;     /* x part of a stage: 8 * groups token rows x 128 bytes */
   int32_t stage_bytes;
-  int32_t stages;      /* ring depth, a multiple of k_groups */
-  int32_t k_groups;    /* consumer warps split K this many ways inside a CTA */
-  int32_t row_groups;  /* tile_n / 64 */
-  int32_t slice_bytes; /* one k-group's partial sums: fp32 [8 * groups][tile_n + pad] */
+  int32_t stages;      /* ring depth */
+  int32_t slice_bytes; /* the CTA's partial sums: fp32 [8 * groups][tile_n + pad] */
 };
 
 __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups) {
@@ -162,24 +127,16 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.w_bytes = tile_n * kUnitRowBytes;
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
-  p.row_groups = tile_n / kWarpRows;
-  p.k_groups = p.row_groups > 0 ? kConsumerWarps / (p.row_groups * kTokenHalves) : 0;
-  /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring. The depth is
-   * rounded down to a multiple of k_groups so that slot i only ever holds units of k-group
-   * i % k_groups: a warp's previous fill of a slot is one it waited on itself, so the parity
-   * wait can never mistake a fill two phases back for the one it wants. */
-  int32_t s = (smem_bytes - kSwizzleAtomBytes) / (p.stage_bytes + 16);
-  s = s < kMaxStages ? s : kMaxStages;
-  p.stages = p.k_groups > 0 ? s / p.k_groups * p.k_groups : 0;
+  /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
+  const int32_t s = (smem_bytes - kSwizzleAtomBytes) / (p.stage_bytes + 16);
+  p.stages = s < kMaxStages ? s : kMaxStages;
   p.slice_bytes = 8 * groups * (tile_n + kPartialPad) * 4;
   return p;
 }
 
-/* Every k-group needs a slot to read and one in flight, and the partial slices must fit in the
- * ring they reuse. */
+/* One stage to read and one in flight, and the partial sums must fit in the ring they reuse. */
 __host__ __device__ inline bool plan_fits(const SmemPlan &p) {
-  return p.k_groups >= 1 && p.stages >= 2 * p.k_groups &&
-         (int64_t)p.k_groups * p.slice_bytes <= (int64_t)p.stages * p.stage_bytes;
+  return p.stages >= 2 && p.slice_bytes <= p.stages * p.stage_bytes;
 }
 
 /* Kernel parameters that are not tensor maps. */
@@ -234,20 +191,8 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&v)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
-               : "r"(addr));
-}
-
 __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
-
-__device__ __forceinline__ float lds_f32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
 }
 
 /* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
@@ -271,13 +216,64 @@ __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
   return v;
 }
 
-/* d += A[16 x 16] * B[16 x 8], bf16 in, fp32 accumulate (A row-major, B column-major fragments) */
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+/* ---- wgmma (sm_90a) ---------------------------------------------------------------- */
+
+/* Shared-memory matrix descriptor of a K-major bf16 tile that the TMA wrote with 128B swizzle
+ * into a 1024-byte aligned buffer: rows of 128 bytes (64 k), 8-row swizzle atoms 1024 bytes
+ * apart (the stride byte offset); the leading byte offset is unused for swizzled K-major tiles.
+ * 16 k further along a row is +32 bytes on the start address (+2 in the descriptor); the
+ * hardware applies the swizzle to that address as the TMA did. */
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 |
+         (uint64_t)(kSwizzleAtomBytes >> 4) << 32 | (uint64_t)1 << 62;
+}
+constexpr uint64_t kDescStepK = (kMmaK * 2) >> 4;                      /* +16 k */
+constexpr uint64_t kDescStepBlock = (kBlockRows * kUnitRowBytes) >> 4; /* +64 rows */
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+/* Waits until at most kPending of the warpgroup's committed groups are unfinished. */
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+/* d[64 x kN] += A[64 x 16] B[16 x kN], A = 64 weight rows at a, B = kN token rows at b (both
+ * K-major descriptors), fp32. Accumulator fragment: d[4 i + c] of lane l in warp w of the
+ * warpgroup is weight row 16 w + l / 4 + 8 (c / 2), token 8 i + 2 (l % 4) + c % 2. The three
+ * token widths differ only in their register lists. */
+template <int kN>
+__device__ __forceinline__ void wgmma_bf16(float (&d)[kN / 2], uint64_t a, uint64_t b) {
+  static_assert(kN == 16 || kN == 32 || kN == 64, "n16, n32 or n64");
+#define KX_WGMMA_TAIL " p, 1, 1, 0, 0;\n}\n"
+#define KX_WGMMA_HEAD(N) "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 "
+  if constexpr (kN == 16) {
+    asm volatile(KX_WGMMA_HEAD(16) "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9," KX_WGMMA_TAIL
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "l"(a), "l"(b));
+  } else if constexpr (kN == 32) {
+    asm volatile(KX_WGMMA_HEAD(32)
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17," KX_WGMMA_TAIL
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(a), "l"(b));
+  } else {
+    asm volatile(KX_WGMMA_HEAD(64)
+                 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33,"
+                 KX_WGMMA_TAIL
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b));
+  }
+#undef KX_WGMMA_HEAD
+#undef KX_WGMMA_TAIL
 }
 
 /* bf16 bits of v rounded to nearest even, with -0.0 (also from rounding) turned into +0.0 */
@@ -294,69 +290,12 @@ __device__ __forceinline__ float f32_no_negzero(float v) {
 /* The kernel                                                                             */
 /* ===================================================================================== */
 
-/* One 64-wide unit of one consumer warp: 4 k-steps x 4 strips x kGW token groups of MMAs.
- * `a_addr` / `b_addr`: this lane's ldmatrix address for k-step 0 / pair 0 of strip 0 / group 0
- * in the W / x part of the stage. Strips are 16 rows (2 KB) apart, groups 8 tokens (1 KB);
- * neither moves the swizzle bits (4..6) that the k-step / pair XOR flips. */
-template <int kGW>
-__device__ __forceinline__ void mma_unit(float (&acc)[kStrips][kGW][4], uint32_t a_addr,
-                                         uint32_t b_addr) {
-  uint32_t b[kGW][2][4]; /* [group][pair p][b0, b1 of MMA 2p, b0, b1 of MMA 2p + 1] */
-#pragma unroll
-  for (int t = 0; t < kGW; ++t)
-#pragma unroll
-    for (int p = 0; p < 2; ++p)
-      ldmatrix_x4(b[t][p], (b_addr ^ (p * kPairXor)) + t * 8 * kUnitRowBytes);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    uint32_t a[kStrips][4];
-#pragma unroll
-    for (int s = 0; s < kStrips; ++s)
-      ldmatrix_x4(a[s], (a_addr ^ (j * kStepXor)) + s * 16 * kUnitRowBytes);
-#pragma unroll
-    for (int t = 0; t < kGW; ++t)
-#pragma unroll
-      for (int s = 0; s < kStrips; ++s)
-        mma_bf16_16816(acc[s][t], a[s][0], a[s][1], a[s][2], a[s][3], b[t][j >> 1][2 * (j & 1)],
-                       b[t][j >> 1][2 * (j & 1) + 1]);
-  }
-}
-
-/* Shared address of the partial sum for (token, row) in a slice: token-major rows of tile_n + 4
- * floats, so the MMA-fragment stores (lanes g, q -> rows g, tokens 2q) hit 32 distinct banks and
- * the epilogue reads 4 consecutive rows (columns of y) as one float4. */
+/* Shared address of the partial sum for (token, row): token-major rows of tile_n + 4 floats, so
+ * the accumulator stores (lanes g, q -> rows g, tokens 2q) hit 32 distinct banks and the
+ * epilogue reads 4 consecutive rows (columns of y) as one float4. */
 __host__ __device__ __forceinline__ uint32_t partial_addr(uint32_t slice, int32_t tile_n, int tok,
                                                           int row) {
   return slice + 4u * (uint32_t)(tok * (tile_n + kPartialPad) + row);
-}
-
-template <int kGW>
-__device__ __forceinline__ void partials_store(uint32_t slice, int32_t tile_n,
-                                               const float (&acc)[kStrips][kGW][4], int row0,
-                                               int tok0, int g, int q) {
-#pragma unroll
-  for (int s = 0; s < kStrips; ++s)
-#pragma unroll
-    for (int t = 0; t < kGW; ++t)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        sts_f32(partial_addr(slice, tile_n, tok0 + 8 * t + 2 * q + (c & 1),
-                             row0 + 16 * s + g + 8 * (c >> 1)),
-                acc[s][t][c]);
-}
-
-template <int kGW>
-__device__ __forceinline__ void partials_add(uint32_t slice, int32_t tile_n,
-                                             float (&acc)[kStrips][kGW][4], int row0, int tok0,
-                                             int g, int q) {
-#pragma unroll
-  for (int s = 0; s < kStrips; ++s)
-#pragma unroll
-    for (int t = 0; t < kGW; ++t)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        acc[s][t][c] += lds_f32(partial_addr(slice, tile_n, tok0 + 8 * t + 2 * q + (c & 1),
-                                             row0 + 16 * s + g + 8 * (c >> 1)));
 }
 
 /* One output value: column `col` of token `tok` of this launch. */
@@ -371,13 +310,15 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
     p.latent[(int64_t)tok * p.latent_row_stride + (col - p.split)] = bf16_bits_no_negzero(v);
 }
 
-template <int kGroups>
+/* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
+ * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
+ * branch (the compiler would serialize them). */
+template <int kGroups, int kBlocks>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                    const __grid_constant__ CUtensorMap x_map, const Params p) {
-  /* ---- checks ---------------------------------------------------------------------- */
-  static_assert(kGroups % kTokenHalves == 0 && kGroups <= kMaxGroups, "token groups per launch");
-  constexpr int kGW = kGroups / kTokenHalves; /* token groups per consumer warp */
+  static_assert(kGroups == 2 || kGroups == 4 || kGroups == 8, "a wgmma N of 16, 32 or 64 tokens");
+  constexpr int kN = 8 * kGroups; /* token rows of a launch = the wgmma's N */
 
   /* ---- shared memory: [ring of stages][full barriers][empty barriers] ----------------- */
   extern __shared__ __align__(kSwizzleAtomBytes) uint8_t smem_raw[];
@@ -396,13 +337,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int units = (int)((int64_t)(rank + 1) * k_units / p.cluster) - u0;
 
   const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x % 32);
-  const int g = lane >> 2, q = lane & 3; /* MMA fragment coordinates */
+  /* Consumer warpgroup wg owns the tile's 64-row blocks wg + 2 b, b < kBlocks; at tile_n = 64
+   * warpgroup 1 has none. */
+  const int active_warpgroups = p.tile_n / kBlockRows < kConsumerWarpgroups
+                                    ? p.tile_n / kBlockRows
+                                    : kConsumerWarpgroups;
 
   /* ---- barriers --------------------------------------------------------------------- */
   if (threadIdx.x == 0) {
     for (int s = 0; s < plan.stages; ++s) {
       mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
-      mbar_init(&empty[s], (uint32_t)(plan.row_groups * kTokenHalves)); /* its consumers */
+      mbar_init(&empty[s], (uint32_t)(4 * active_warpgroups)); /* every consumer warp */
     }
     fence_barrier_init();
   }
@@ -410,15 +355,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
   allow_dependents();
-
-  float acc[kStrips][kGW][4];
-#pragma unroll
-  for (int s = 0; s < kStrips; ++s)
-#pragma unroll
-    for (int t = 0; t < kGW; ++t)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[s][t][c] = 0.0f;
-  int kg = 0, row0 = 0, tok0 = 0;
 
   if (warp == kProducerWarp) {
     /* ---- producer: weights for the whole ring first, then wait, then x ----------------- */
@@ -452,45 +388,61 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncwarp();
   } else {
-    /* ---- consumers: warp = (kg, rg, tg); stages kg, kg + KG, kg + 2 KG, ... -------------- */
-    const int per_k_group = plan.row_groups * kTokenHalves;
-    kg = warp / per_k_group;
-    const int rg = (warp % per_k_group) % plan.row_groups;
-    const int tg = (warp % per_k_group) / plan.row_groups;
-    row0 = rg * kWarpRows;
-    tok0 = tg * kGW * 8;
-    const uint32_t a_lane = (uint32_t)(row0 * kUnitRowBytes) + a_lane_offset((uint32_t)lane);
-    const uint32_t b_lane = (uint32_t)plan.w_bytes + (uint32_t)(tok0 * kUnitRowBytes) +
-                            b_lane_offset((uint32_t)lane);
-    int slot = kg; /* kg < k_groups <= stages; stages % k_groups == 0 */
-    uint32_t phase = 0;
-    for (int s = kg; s < units; s += plan.k_groups) {
-      mbar_wait(&full[slot], phase);
-      const uint32_t stage = ring + slot * plan.stage_bytes;
-      mma_unit<kGW>(acc, stage + a_lane, stage + b_lane);
-      __syncwarp(); /* every lane's reads of the slot precede the release */
-      if (lane == 0) mbar_arrive(&empty[slot]);
-      slot += plan.k_groups;
-      if (slot >= plan.stages) {
-        slot -= plan.stages;
-        phase ^= 1u;
+    /* ---- consumers: warpgroup wg, its blocks wg + 2 b of every stage -------------------- */
+    const int wg = warp / 4;
+    const bool active = wg < active_warpgroups;
+    float acc[kBlocks][kN / 2];
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) acc[b][i] = 0.0f;
+
+    if (active) {
+      const uint64_t a0 = sw128_desc(ring + wg * kBlockRows * kUnitRowBytes);
+      const uint64_t b0 = sw128_desc(ring + plan.w_bytes);
+      const uint64_t stage_step = (uint64_t)(plan.stage_bytes >> 4);
+      int slot = 0, held = -1; /* held: the slot whose wgmmas may still be reading it */
+      uint32_t phase = 0;
+      for (int s = 0; s < units; ++s) {
+        mbar_wait(&full[slot], phase);
+        const uint64_t at = slot * stage_step;
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < kUnitK / kMmaK; ++j)
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+            wgmma_bf16<kN>(acc[b], a0 + at + b * kConsumerWarpgroups * kDescStepBlock + j * kDescStepK,
+                             b0 + at + j * kDescStepK);
+        wgmma_commit();
+        if (held >= 0) {
+          wgmma_wait<1>(); /* the previous unit's wgmmas are done with their slot */
+          if (lane == 0) mbar_arrive(&empty[held]);
+        }
+        held = slot;
+        if (++slot == plan.stages) {
+          slot = 0;
+          phase ^= 1u;
+        }
       }
+      wgmma_wait<0>();
+      if (lane == 0) mbar_arrive(&empty[held]);
     }
 
-    /* ---- reduction 1: k-groups, in shared memory, in the order kg = 0, 1, 2, 3 ----------- */
-    /* The slices reuse the ring: wait until every consumer is done with it. All copies issued
-     * have landed, since every stage was waited on by its consumers. */
-    named_barrier(kConsumerBarrier, kConsumerWarps * 32);
-    if (kg > 0) partials_store<kGW>(ring + kg * plan.slice_bytes, p.tile_n, acc, row0, tok0, g, q);
-    named_barrier(kConsumerBarrier, kConsumerWarps * 32);
-    if (kg == 0) {
-      for (int j = 1; j < plan.k_groups; ++j)
-        partials_add<kGW>(ring + j * plan.slice_bytes, p.tile_n, acc, row0, tok0, g, q);
-      partials_store<kGW>(ring, p.tile_n, acc, row0, tok0, g, q); /* slice 0 = the CTA's partial */
-    }
+    /* ---- the CTA's partial sums, over the drained ring ------------------------------------ */
+    named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
+    const int g = lane >> 2, q = lane & 3;
+    if (active)
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+        for (int i = 0; i < kN / 2; ++i)
+          sts_f32(partial_addr(ring, p.tile_n, 8 * (i >> 2) + 2 * q + (i & 1),
+                               (wg + b * kConsumerWarpgroups) * kBlockRows + 16 * (warp % 4) + g +
+                                   8 * ((i >> 1) & 1)),
+                  acc[b][i]);
   }
 
-  /* ---- reduction 2: across the cluster, rank order 0..C-1, through DSMEM --------------- */
+  /* ---- reduction across the cluster, rank order 0..C-1, through DSMEM ----------------- */
   __syncwarp(); /* the .aligned cluster barrier wants each warp converged (roles diverged) */
   if (p.cluster > 1)
     cluster_sync();
@@ -545,11 +497,12 @@ constexpr int kClusterChoices[] = {1, 2, 4, 8};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 
-KernelFn kernel_for_groups(int groups) {
+KernelFn kernel_for(int groups, int tile_n) {
+  const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
   switch (groups) {
-    case 2: return ws_gemm_kernel<2>;
-    case 4: return ws_gemm_kernel<4>;
-    default: return ws_gemm_kernel<8>;
+    case 2: return two ? ws_gemm_kernel<2, 2> : ws_gemm_kernel<2, 1>;
+    case 4: return two ? ws_gemm_kernel<4, 2> : ws_gemm_kernel<4, 1>;
+    default: return two ? ws_gemm_kernel<8, 2> : ws_gemm_kernel<8, 1>;
   }
 }
 
@@ -613,9 +566,8 @@ struct DeviceScope {
   }
 };
 
-/* CTAs of one cluster size that can be resident at once with this shared memory. */
-cudaError_t resident_ctas(int cluster, int smem_bytes, int sms, int *ctas) {
-  KernelFn fn = kernel_for_groups(kMaxGroups);
+/* CTAs of `fn` in clusters of `cluster` that can be resident at once with this shared memory. */
+cudaError_t resident_ctas(KernelFn fn, int cluster, int smem_bytes, int sms, int *ctas) {
   if (cluster == 1) {
     int blocks = 0;
     cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, kThreads,
@@ -674,11 +626,12 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
 
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
-  for (int groups : kGroupChoices) {
-    err = cudaFuncSetAttribute(kernel_for_groups(groups),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-  }
+  for (int groups : kGroupChoices)
+    for (int tile_n : kTileChoices) {
+      err = cudaFuncSetAttribute(kernel_for(groups, tile_n),
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      if (err != cudaSuccess) return err;
+    }
 
   /* The heuristic, in this order: fewest waves; fewest weight elements per CTA (the critical
    * path when every SM streams at the same rate); the tile order of kTileChoices; the smaller
@@ -694,7 +647,7 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
     for (int cluster : kClusterChoices) {
       if (cluster > k_units) continue;
       int resident = 0;
-      err = resident_ctas(cluster, smem_bytes, sms, &resident);
+      err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
         cudaGetLastError(); /* an unsupported cluster size is not fatal: skip it */
         continue;
@@ -801,7 +754,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     cfg.stream = stream;
     cfg.attrs = attrs;
     cfg.numAttrs = num_attrs;
-    err = cudaLaunchKernelEx(&cfg, kernel_for_groups(groups), w_map, x_map, p);
+    err = cudaLaunchKernelEx(&cfg, kernel_for(groups, c.tile_n), w_map, x_map, p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

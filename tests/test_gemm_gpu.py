@@ -18,7 +18,8 @@ DEV = "cuda"
 # (N, K, split, valid): the MoE front's shapes, with a split epilogue of router logits
 # (valid experts, padded to split) and a latent shard.
 SHAPES = [(1024, 7168, 512, 384), (4096, 7168, 512, 384), (7168, 2048, 128, 100),
-          (256, 64, 128, 64), (1536, 7168, 512, 384), (384, 128, 256, 250)]
+          (256, 64, 128, 64), (1536, 7168, 512, 384), (384, 128, 256, 250),
+          (20000, 256, 512, 384)]  # tile_n 256: two 64-row blocks per consumer warpgroup
 MS = list(range(1, 65)) + [65, 77, 100, 127, 128, 200, 256]
 
 
@@ -182,6 +183,27 @@ def test_deterministic(kx, weights):
         g.run(x)
         assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"M={M}: run {i + 1} differs"
     sync_or_die("gemm determinism")
+
+
+@pytest.mark.parametrize("N,K", [(4096, 7168), (256, 64), (20000, 256)], ids=str)
+def test_batch_invariant(kx, weights, N, K):
+    """A token's row is bit-identical whatever batch it runs in (each wgmma token width, each
+    tile height): the kernel header and kimi_kernels.h promise it."""
+    W = weights(N, K)
+    x = make_gemm_inputs(64, N, K, seed_of("gpu-gemm-invariant", N, K), DEV)[0]
+    full = torch.empty((64, N), dtype=torch.bfloat16, device=DEV)
+    g = kx.WsGemm(W)
+    g.prepare(64, full)
+    g.run(x)
+    for m, row0 in [(1, 0), (1, 37), (9, 5), (16, 48), (17, 3), (33, 31)]:
+        part = poison_(torch.empty((m, N), dtype=torch.bfloat16, device=DEV))
+        gp = kx.WsGemm(W)
+        gp.prepare(m, part)
+        gp.run(x[row0:row0 + m].contiguous())
+        sync_or_die(f"invariance N={N} K={K} m={m}")
+        same = part.view(torch.int16) == full[row0:row0 + m].view(torch.int16)
+        assert bool(same.all()), (f"N={N} K={K}: rows {row0}..{row0 + m - 1} run alone (m={m}) differ "
+                                  f"from the same rows in a batch of 64 at {int((~same).sum())} elements")
 
 
 def test_device_mismatch(kx, weights):
