@@ -429,18 +429,6 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
 }
 
 /* ---- consumers: decode + MMA over a phase's tiles -------------------------------------- */
-/* A consumer's place in the ring: the stage it reads next and that stage's phase parity. */
-struct RingPos {
-  int stage = 0;
-  uint32_t parity = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      parity ^= 1;
-    }
-  }
-};
-
 /* Where one warp's first unit lies in a stage of chunks of nkb k-blocks, as byte offsets
  * from the stage; unit j is kStep k-blocks further, a compile-time offset. Activation rows
  * sit row_bytes apart and scale rows scale_floats apart (per phase: FC1's per-token rows,
@@ -551,7 +539,7 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool
 struct ConsumerRing {
   uint32_t stages; /* shared address of stage 0 */
   uint64_t *full, *empty;
-  RingPos pos;
+  RingPos pos; /* the stage the MMA warps read next */
 };
 
 /* Hands a tile's partial sums to epilogue warp q % kEpilogueWarps. */
@@ -575,7 +563,7 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
                                                     int index, int end, ConsumerRing &ring, int &q) {
   for (; index < end; index += gridDim.x, ++q) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance()) {
+    for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages)) {
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
       consume_units<kUnits, kStep>(ring.stages + ring.pos.stage * kStageBytes, cp.full, &ring.empty[ring.pos.stage],
                                    acc);
@@ -584,7 +572,7 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
       consume_units<kUnits, kStep, true>(ring.stages + ring.pos.stage * kStageBytes, cp.last,
                                          &ring.empty[ring.pos.stage], acc, cp.last_units);
-      ring.pos.advance();
+      ring.pos.advance(kStages);
     }
     hand_off(p, smem, q, acc);
   }

@@ -96,6 +96,19 @@ __device__ __forceinline__ void wait_at_least(const int *p, int target) {
   while (load_acquire(p) < target) __nanosleep(64);
 }
 
+/* ---- a place in a ring of stages: the slot, and the parity of the barrier phase a
+ * wait there is for (it flips each time the ring wraps around) ---- */
+struct RingPos {
+  int stage = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ void advance(int stages) {
+    if (++stage == stages) {
+      stage = 0;
+      parity ^= 1u;
+    }
+  }
+};
+
 /* ---- named barrier among a subset of warps (id 0 is __syncthreads) ---- */
 __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

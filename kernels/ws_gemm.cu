@@ -75,6 +75,7 @@ using kx::mbar_arrive_expect_tx;
 using kx::mbar_init;
 using kx::mbar_wait;
 using kx::named_barrier;
+using kx::RingPos;
 using kx::smem_addr;
 using kx::wait_for_predecessor;
 
@@ -372,18 +373,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int s = 0; s < prefill; ++s)
         tma_load_2d(ring + s * plan.stage_bytes + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0,
                     smem_addr(&full[s]));
-      int slot = 0;
-      uint32_t phase = 0; /* parity of the consumers' release of this slot's previous fill */
-      for (int s = prefill; s < units; ++s) {
-        mbar_wait(&empty[slot], phase);
-        const uint32_t stage = ring + slot * plan.stage_bytes;
-        mbar_arrive_expect_tx(&full[slot], (uint32_t)plan.stage_bytes);
-        tma_load_2d(stage, &w_map, (u0 + s) * kUnitK, n0, smem_addr(&full[slot]), evict_first);
-        tma_load_2d(stage + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0, smem_addr(&full[slot]));
-        if (++slot == plan.stages) {
-          slot = 0;
-          phase ^= 1u;
-        }
+      RingPos at; /* parity: of the consumers' release of this slot's previous fill */
+      for (int s = prefill; s < units; ++s, at.advance(plan.stages)) {
+        mbar_wait(&empty[at.stage], at.parity);
+        const uint32_t stage = ring + at.stage * plan.stage_bytes;
+        mbar_arrive_expect_tx(&full[at.stage], (uint32_t)plan.stage_bytes);
+        tma_load_2d(stage, &w_map, (u0 + s) * kUnitK, n0, smem_addr(&full[at.stage]), evict_first);
+        tma_load_2d(stage + plan.w_bytes, &x_map, (u0 + s) * kUnitK, 0, smem_addr(&full[at.stage]));
       }
     }
     __syncwarp();
@@ -401,11 +397,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint64_t a0 = sw128_desc(ring + wg * kBlockRows * kUnitRowBytes);
       const uint64_t b0 = sw128_desc(ring + plan.w_bytes);
       const uint64_t stage_step = (uint64_t)(plan.stage_bytes >> 4);
-      int slot = 0, held = -1; /* held: the slot whose wgmmas may still be reading it */
-      uint32_t phase = 0;
-      for (int s = 0; s < units; ++s) {
-        mbar_wait(&full[slot], phase);
-        const uint64_t at = slot * stage_step;
+      RingPos pos;
+      int held = -1; /* the slot whose wgmmas may still be reading it */
+      for (int s = 0; s < units; ++s, pos.advance(plan.stages)) {
+        mbar_wait(&full[pos.stage], pos.parity);
+        const uint64_t at = pos.stage * stage_step;
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < kUnitK / kMmaK; ++j)
@@ -418,11 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma_wait<1>(); /* the previous unit's wgmmas are done with their slot */
           if (lane == 0) mbar_arrive(&empty[held]);
         }
-        held = slot;
-        if (++slot == plan.stages) {
-          slot = 0;
-          phase ^= 1u;
-        }
+        held = pos.stage;
       }
       wgmma_wait<0>();
       if (lane == 0) mbar_arrive(&empty[held]);
