@@ -71,8 +71,13 @@ constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
-constexpr int kActRowBytes = kMaxChunkKb * kActBlockBytes + 64; /* +64: 16-byte loads of 8 rows hit all banks */
-constexpr int kActScaleFloats = kMaxChunkKb + 4; /* +4: tokens 2t (and 2t+1) of a quad land in 4 different banks */
+/* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
+ * bytes plus 64, so the 8 rows' 16-byte fragment loads hit all banks; the scale pitch is 4
+ * more than a multiple of 8 floats, so tokens 2t and 2t+1 of a quad land in different banks. */
+KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return (chunk_kb * kActBlockBytes + 127) / 128 * 128 + 64; }
+KX_HOST_DEVICE constexpr int act_scale_floats(int chunk_kb) { return (chunk_kb + 7) / 8 * 8 + 4; }
+constexpr int kActRowBytes = act_row_bytes(kMaxChunkKb); /* FC1's x rows: room for any chunk */
+constexpr int kActScaleFloats = act_scale_floats(kMaxChunkKb);
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 /* a stage: weights, then activation rows, then their scale rows */
@@ -92,11 +97,10 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
 /* FC2's hidden rows travel in unit blocks: chunk c of hidden row r sits at block row
  * c * hidden_rows + r, so the rows of a unit for one chunk are one contiguous copy (one
  * per row before, which kept the activation producer issuing copies for half the call at
- * B = 64). The row pitch is a multiple of 128 bytes plus 64, so the 8 rows' 16-byte
- * fragment loads hit all banks; the scale pitch is 4 more than a multiple of 8 floats, so
- * tokens 2t and 2t+1 of a quad land in different banks. FC1's x rows stay per token. */
-KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return (ph.chunk_kb * kActBlockBytes + 127) / 128 * 128 + 64; }
-KX_HOST_DEVICE int block_scale_floats(const PhaseShape &ph) { return (ph.chunk_kb + 7) / 8 * 8 + 4; }
+ * B = 64). A block row is laid out as a stage's activation row of that chunk. FC1's x rows
+ * stay per token. */
+KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
+KX_HOST_DEVICE int block_scale_floats(const PhaseShape &ph) { return act_scale_floats(ph.chunk_kb); }
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 struct SyncWords {
