@@ -327,14 +327,14 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
   const uint64_t policy = l2_evict_first_policy();
-  int it = 0;
+  RingPos pos;
   for (int index = blockIdx.x; index < total_tiles; index += gridDim.x) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
     const int expert = r.expert_id[r.unit_expert[ref.unit]];
-    for (int c = 0; c < ph.chunks(); ++c, ++it) {
-      const int s = it % kStages;
-      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+    for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
+      const int s = pos.stage;
+      mbar_wait(&empty[s], pos.parity ^ 1);
       if ((threadIdx.x & 31) == 0) {
         mbar_arrive_expect_tx(&full[s], ph.chunk_bytes(c));
         bulk_copy_streaming(stage_at(smem, p.smem, s).weights, p.packed + ph.chunk_offset(expert, ref.tile, c),
@@ -399,7 +399,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
   bool x_ready = false;
   uint32_t known_ready = 0; /* bit i: this CTA's tile q_known + i has its activations */
   int q_known = 0;
-  int it = 0;
+  RingPos pos;
   for (int index = blockIdx.x, q = 0; index < total_tiles; index += gridDim.x, ++q) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
@@ -417,10 +417,10 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       fence_proxy_async_global();
     }
     __syncwarp();
-    for (int c = 0; c < ph.chunks(); ++c, ++it) {
-      const int s = it % kStages;
+    for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
+      const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
-      mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+      mbar_wait(&empty[s], pos.parity ^ 1);
       const int nkb = ph.chunk_k_blocks(c);
       if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
@@ -543,18 +543,20 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool
 struct ConsumerRing {
   uint32_t stages; /* shared address of stage 0 */
   uint64_t *full, *empty;
-  RingPos pos; /* the stage the MMA warps read next */
+  RingPos pos;      /* the stage the MMA warps read next */
+  RingPos epilogue; /* the epilogue warp (stage) that takes the next tile's sums */
 };
 
-/* Hands a tile's partial sums to epilogue warp q % kEpilogueWarps. */
-__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, int q, const float (&acc)[4]) {
+/* Hands a tile's partial sums to the next epilogue warp in turn. */
+__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, ConsumerRing &ring, const float (&acc)[4]) {
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
-  const int e = q % kEpilogueWarps;
-  mbar_wait(&freed[e], ((q / kEpilogueWarps) & 1) ^ 1);
+  const int e = ring.epilogue.stage;
+  mbar_wait(&freed[e], ring.epilogue.parity ^ 1);
   park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
+  ring.epilogue.advance(kEpilogueWarps);
 }
 
 /* This CTA's tiles index, index + grid, ... < end, all of one phase: the loop holds no
@@ -564,8 +566,8 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, int q, 
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
 template <int kUnits, int kStep>
 __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
-                                                    int index, int end, ConsumerRing &ring, int &q) {
-  for (; index < end; index += gridDim.x, ++q) {
+                                                    int index, int end, ConsumerRing &ring) {
+  for (; index < end; index += gridDim.x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages)) {
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
@@ -578,31 +580,31 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
                                          &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
-    hand_off(p, smem, q, acc);
+    hand_off(p, smem, ring, acc);
   }
 }
 
 template <int kStep>
 __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
-                                                       int index, int end, ConsumerRing &ring, int &q) {
+                                                       int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 3: consume_phase_tiles<3, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 2: consume_phase_tiles<2, kStep>(p, smem, cp, index, end, ring, q); break;
-    case 1: consume_phase_tiles<1, kStep>(p, smem, cp, index, end, ring, q); break;
-    default: consume_phase_tiles<0, kStep>(p, smem, cp, index, end, ring, q); break;
+    case 4: consume_phase_tiles<4, kStep>(p, smem, cp, index, end, ring); break;
+    case 3: consume_phase_tiles<3, kStep>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_tiles<2, kStep>(p, smem, cp, index, end, ring); break;
+    case 1: consume_phase_tiles<1, kStep>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_tiles<0, kStep>(p, smem, cp, index, end, ring); break;
   }
 }
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
  * below `end`; the dispatch on the warp's plan happens once here. */
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
-                                              ConsumerRing &ring, int &q) {
+                                              ConsumerRing &ring) {
   const ConsumerPlan cp = consumer_plan(fc1 ? p.fc1 : p.fc2, fc1);
   switch (cp.k_step) {
-    case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring, q); break;
-    case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring, q); break;
-    default: consume_phase_by_units<2>(p, smem, cp, index, end, ring, q); break;
+    case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_by_units<2>(p, smem, cp, index, end, ring); break;
   }
 }
 
@@ -732,12 +734,12 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
-  int q = 0;
-  for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, ++q) {
-    if (q % kEpilogueWarps != e) continue;
+  RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
+  for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, slot.advance(kEpilogueWarps)) {
+    if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
-    mbar_wait(&parked[e], (q / kEpilogueWarps) & 1);
+    mbar_wait(&parked[e], slot.parity);
     if (ref.fc1) finish_fc1_tile(p, reduce, unit, ref);
     else finish_fc2_tile(p, reduce, r, unit, ref);
     __syncwarp();
@@ -836,8 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     write_nan_rows(p, r);
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
-                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}};
-    int q = 0;
+                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
     /* this CTA's first FC2 tile: the first of its tiles (blockIdx.x, + gridDim.x, ...) at
      * or past fc1_tiles */
     const int first_fc2 = (int)blockIdx.x >= fc1_tiles
@@ -846,7 +847,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
-      consume_phase(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring, q);
+      consume_phase(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring);
   }
 
   /* 5. the last CTA out cleans the counters for the next call */

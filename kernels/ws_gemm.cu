@@ -619,8 +619,8 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
-    for (int tile_n : kTileChoices) {
-      err = cudaFuncSetAttribute(kernel_for(groups, tile_n),
+    for (int blocks = 1; blocks <= 2; ++blocks) { /* tiles of 64 and 128 rows share a kernel */
+      err = cudaFuncSetAttribute(kernel_for(groups, blocks * kConsumerWarpgroups * kBlockRows),
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
       if (err != cudaSuccess) return err;
     }
