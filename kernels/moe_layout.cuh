@@ -47,15 +47,15 @@ constexpr int kMinLargeTileBytes = 32 * 1024;
 static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
 /* Where the packer puts the nibbles of one 32-bit word so that decode_fp4x8 (mx.cuh)
- * is cheap. f16x2 register i takes a sign bit at 15 / 31 and the magnitude bits e1 e0 m
- * at 11..9 / 27..25, from the word shifted left by sign_shift(i) and mag_shift(i): word
- * bit p - shift holds register bit p. Left shifts run as IMAD on the FMA pipe; the masks
- * are LOP3 on the integer pipe, which issues at half rate on sm_90 and bounds the
- * decode. No four shifts of one 8-bit pattern tile the word, so two registers take
- * sign and magnitude apart: 6 LOP3 + 5 IMAD per word, the fewest integer-pipe
- * operations (searched exhaustively); the plain nibble order needs 8 + 8. */
-KX_HOST_DEVICE constexpr int sign_shift(int i) { return i == 0 ? 1 : i == 1 ? 2 : i == 2 ? 3 : 0; }
-KX_HOST_DEVICE constexpr int mag_shift(int i) { return i == 0 ? 9 : i == 1 ? 6 : i == 2 ? 3 : 0; }
+ * is cheap. f16x2 register i takes each nibble's sign at bit 15 / 31 and its magnitude
+ * e1 e0 m at 11..9 / 27..25 (mask 0x8E008E00). Register 0 is the word masked, register 1
+ * the word shifted left by 8, registers 2 and 3 the same of the word's bit reversal
+ * (BREV): the four patterns tile the 32 bits, so a word costs 1 BREV + 2 shifts (IMAD,
+ * FMA pipe) + 4 LOP3, where sign and magnitude taken apart cost 6 LOP3 + 5 IMAD.
+ * Returns the word bit that lands on bit p of register i. */
+KX_HOST_DEVICE constexpr int nibble_word_bit(int i, int p) {
+  return i == 0 ? p : i == 1 ? p - 8 : i == 2 ? 31 - p : 39 - p;
+}
 
 /* One GEMM of the layer in tile terms. */
 struct PhaseShape {

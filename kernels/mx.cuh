@@ -106,14 +106,15 @@ __device__ __forceinline__ uint8_t quantize_block32(const float (&v)[kMxBlock], 
 }
 
 /* One packed word holds 8 e2m1 nibbles for four f16x2 MMA registers, placed by the
- * packer per sign_shift / mag_shift (moe_layout.cuh): a left shift and a mask per part. */
+ * packer per nibble_word_bit (moe_layout.cuh): the word and its bit reversal, each
+ * masked as it is and shifted left by 8. */
 __device__ __forceinline__ void decode_fp4x8(uint32_t w, uint32_t (&reg)[4]) {
-  constexpr uint32_t kSigns = 0x80008000u, kMagnitudes = 0x0E000E00u;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (sign_shift(i) == mag_shift(i)) reg[i] = (w << sign_shift(i)) & (kSigns | kMagnitudes);
-    else reg[i] = ((w << sign_shift(i)) & kSigns) | ((w << mag_shift(i)) & kMagnitudes);
-  }
+  constexpr uint32_t kNibbleBits = 0x8E008E00u; /* sign 15 / 31, e1 e0 m 11..9 / 27..25 */
+  const uint32_t r = __brev(w);
+  reg[0] = w & kNibbleBits;
+  reg[1] = (w << 8) & kNibbleBits;
+  reg[2] = r & kNibbleBits;
+  reg[3] = (r << 8) & kNibbleBits;
 }
 
 /* The f16 value of each e4m3 byte in q (exact), as f16x2 words: low byte first. */

@@ -49,7 +49,7 @@ __global__ void pack_phase_kernel(PackSource src, PhaseShape phase, int experts,
 
   /* Word w feeds the four f16x2 registers of MMA w (k 16w..16w+15): register i is row
    * g (i even) or g+8 (i odd) at k = 16w + 2t + 8(i/2) (+1 in its high half); its bits go
-   * where decode_fp4x8 finds them (sign_shift / mag_shift).
+   * where decode_fp4x8 finds them (nibble_word_bit).
    * A NaN block (scale 0xFF) keeps its scale and gets zero elements: the kernel reads the
    * scale as inf and 0 * inf is NaN (e8m0_to_float_nonzero). */
   const uint8_t *s_e = src.s + (int64_t)e * src.rows * (src.k / 32);
@@ -68,9 +68,9 @@ __global__ void pack_phase_kernel(PackSource src, PhaseShape phase, int experts,
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t n = nan ? 0u : nibble(row, k + half);
-        word |= (n >> 3) << (15 + 16 * half - sign_shift(i));
+        word |= (n >> 3) << nibble_word_bit(i, 15 + 16 * half);
 #pragma unroll
-        for (int b = 0; b < 3; ++b) word |= ((n >> b) & 1u) << (9 + b + 16 * half - mag_shift(i));
+        for (int b = 0; b < 3; ++b) word |= ((n >> b) & 1u) << nibble_word_bit(i, 9 + b + 16 * half);
       }
     }
 #pragma unroll
