@@ -5,12 +5,12 @@
  *   out[t K + j] = bf16(W2[e] . hq)   or, combined, z[t] = bf16(sum_j w[t,j] out[t K + j]).
  *
  * Why it is shaped this way: decode is memory-bound (k3-tp8 B=1 reads 35 MB of FP4 and
- * does almost no math), so the kernel is a weight stream. One CTA per SM, 23 warps:
+ * does almost no math), so the kernel is a weight stream. One CTA per SM, 24 warps:
  *   - a weight producer fills a 4-stage shared-memory ring with one 17 KB bulk copy per
  *     stage (the copy engine is paid per copy: moe_layout.cuh), never waiting for data;
- *   - an activation producer copies the unit's activation rows into the same stage (a
- *     bulk copy per x row for FC1, one per unit block of hidden rows for FC2), waiting
- *     for them where other CTAs produce them;
+ *   - two activation producers, on alternate tiles, copy the unit's activation rows into
+ *     the same stage (a bulk copy per x row for FC1, one per unit block of hidden rows
+ *     for FC2), waiting for them where other CTAs produce them;
  *   - 16 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
@@ -23,15 +23,15 @@
  * Phases inside the launch (no grid-wide barrier on the weight path):
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch);
- *   1. every CTA routes all pairs itself (route.cuh, on its 7 non-MMA warps) -> units
+ *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps) -> units
  *      of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
- *      scratch and a grid-wide counter says done (the activation producer waits for it
- *      before the first activation copy);
+ *      scratch and a grid-wide counter says done (the activation producers wait for it
+ *      before their first activation copy);
  *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
  *      and releases it;
- *   4. FC2 tile = 64 or 128 output rows of one unit; the activation producer waits for
+ *   4. FC2 tile = 64 or 128 output rows of one unit; an activation producer waits for
  *      the unit's hidden rows (the weights are already on their way); bf16 results
  *      go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
@@ -53,19 +53,24 @@ namespace kx {
 namespace {
 
 /* ---- constants ---------------------------------------------------------------- */
-/* warp roles: 16 MMA (consumer) warps, a weight producer, an activation producer and
+/* warp roles: 16 MMA (consumer) warps, a weight producer, two activation producers and
  * 5 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
  * latencies better (-4.5 % at B = 8; 80 registers, no spills). Their partial sums then
  * take twice the reduction work, and a fifth epilogue warp gives back what the MMA
- * warps waited for a free slot (-3.4 % at B = 64). */
+ * warps waited for a free slot (-3.4 % at B = 64). One activation producer's per-chunk
+ * latency (a unit's rows, one bulk copy per row issued lane after lane) was on the
+ * critical path: 200 idle cycles per chunk cost 17 % at B = 8; a second one, taking
+ * every other tile, gave -9 % at B = 8 and -12 % at B = 64 (a third, with one epilogue
+ * warp fewer, less; a 25th warp would cut the registers to 72). */
 constexpr int kConsumerWarpsLog2 = 4;
 constexpr int kConsumerWarps = 1 << kConsumerWarpsLog2;
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kWeightWarp = kConsumerWarps;
 constexpr int kActivationWarp = kWeightWarp + 1;
-constexpr int kFirstEpilogueWarp = kActivationWarp + 1;
+constexpr int kActivationWarps = 2; /* take alternate tiles of the CTA */
+constexpr int kFirstEpilogueWarp = kActivationWarp + kActivationWarps;
 constexpr int kEpilogueWarps = 5;
 constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
@@ -161,7 +166,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   L.freed = take(8 * kEpilogueWarps, 8);
   L.reduce = take(4 * kReduceFloats * kEpilogueWarps, 16);
   L.flags = take(4 * kFlagWords, 4);
-  L.act_rows = take(4 * kGroupTokens, 4);
+  L.act_rows = take(4 * kGroupTokens * kActivationWarps, 4);
   L.token_mask = take(8 * pairs, 8);
   L.expert_slot = take(4 * experts, 4);
   L.expert_scan = take(4 * pairs, 4);
@@ -389,12 +394,15 @@ __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int t
   return mask;
 }
 
-/* Activations are written in this launch by other CTAs, so this warp waits for them:
- * x once, each unit's hidden rows before its first FC2 tile. */
-__device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
+/* Activations are written in this launch by other CTAs, so these warps wait for them:
+ * x once, each unit's hidden rows before its first FC2 tile. Activation producer `which`
+ * takes the CTA's tiles q with q % kActivationWarps == which, so one prepares and issues
+ * its tile while the other's copies are in flight. */
+__device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
+                                    int which) {
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
-  int *rows = reinterpret_cast<int *>(smem + p.smem.act_rows);
+  int *rows = reinterpret_cast<int *>(smem + p.smem.act_rows) + which * kGroupTokens;
   const int lane = threadIdx.x & 31;
   bool x_ready = false;
   uint32_t known_ready = 0; /* bit i: this CTA's tile q_known + i has its activations */
@@ -403,24 +411,31 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
   for (int index = blockIdx.x, q = 0; index < total_tiles; index += gridDim.x, ++q) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
-    const Unit unit = unit_info(r, ref.unit);
-    __syncwarp();
-    if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
-    if (ref.fc1 && !x_ready) {
-      wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
-      fence_proxy_async_global();
-      x_ready = true;
-    } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
-      q_known = q;
-      known_ready = poll_units(p, index, total_tiles, fc1_tiles);
-      if (!(known_ready & 1)) wait_at_least(&p.unit_ready[ref.unit], 1);
-      fence_proxy_async_global();
+    const bool mine = q % kActivationWarps == which;
+    Unit unit;
+    if (mine) {
+      unit = unit_info(r, ref.unit);
+      __syncwarp();
+      if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
+      if (ref.fc1 && !x_ready) {
+        wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
+        fence_proxy_async_global();
+        x_ready = true;
+      } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
+        q_known = q;
+        known_ready = poll_units(p, index, total_tiles, fc1_tiles);
+        if (!(known_ready & 1)) wait_at_least(&p.unit_ready[ref.unit], 1);
+        fence_proxy_async_global();
+      }
+      __syncwarp();
     }
-    __syncwarp();
+    /* every stage in ring order, the other warp's too: one that skipped them could run two
+     * laps ahead of the MMA warps and pass a wait on an aliased phase */
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], pos.parity ^ 1);
+      if (!mine) continue;
       const int nkb = ph.chunk_k_blocks(c);
       if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
@@ -829,8 +844,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
 
   if (warp == kWeightWarp) {
     produce_weights(p, smem, r, total_tiles, fc1_tiles);
-  } else if (warp == kActivationWarp) {
-    produce_activations(p, smem, r, total_tiles, fc1_tiles);
+  } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
+    produce_activations(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp);
   } else if (warp >= kFirstEpilogueWarp) {
     run_epilogues(p, smem, r, total_tiles, fc1_tiles);
   } else {

@@ -27,7 +27,7 @@
 
 namespace kx {
 
-constexpr int kRouteWarps = 7; /* experts.cu: its warps that are not MMA warps */
+constexpr int kRouteWarps = 8; /* experts.cu: its warps that are not MMA warps (checked there) */
 constexpr int kRouteThreads = kRouteWarps * 32;
 constexpr int kRouteBarrier = 2; /* named barrier id (0: __syncthreads, 1: experts.cu's MMA warps) */
 constexpr int kMaxPairs = 1024;
