@@ -212,6 +212,11 @@ struct Params {
   __nv_bfloat16 *y;
 };
 
+/* Block row of chunk c of hidden row `row` (the unit-block layout above). */
+__device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
+  return (int64_t)c * p.hidden_rows + row;
+}
+
 /* ---- small device helpers --------------------------------------------------------- */
 /* d += A (16x16 f16, 4 registers) x B (16x8 f16, 2 registers), fp32 accumulate. */
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -371,7 +376,7 @@ __device__ __forceinline__ void copy_activations(const Stage &st, uint64_t *full
 /* A unit's hidden rows and their scales for FC2 chunk c: two copies (unit blocks). */
 __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
                                                   int c) {
-  const int64_t block_row = (int64_t)c * p.hidden_rows + unit.row0;
+  const int64_t block_row = hidden_block_row(p, c, unit.row0);
   const uint32_t row_bytes = block_row_bytes(p.fc2), scale_bytes = 4 * block_scale_floats(p.fc2);
   if ((threadIdx.x & 31) == 0) {
     mbar_arrive_expect_tx(full, (uint32_t)unit.count * (row_bytes + scale_bytes));
@@ -661,7 +666,7 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
       v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
     }
     const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
-    const int64_t block_row = (int64_t)c * p.hidden_rows + r;
+    const int64_t block_row = hidden_block_row(p, c, r);
     quantize_store(v, p.hidden_floor, p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes,
                    p.hs + block_row * block_scale_floats(p.fc2) + in_chunk);
   }
