@@ -22,7 +22,8 @@
  *
  * Phases inside the launch (no grid-wide barrier on the weight path):
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
- *      previous kernel under programmatic dependent launch);
+ *      previous kernel under programmatic dependent launch; this launch lets its own
+ *      dependents start at once, so they do the same on SMs that ours leave early);
  *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps) -> units
  *      of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
  *      scratch and a grid-wide counter says done (the activation producers wait for it
@@ -36,8 +37,9 @@
  *      go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
  *      slot order.
- *   5. the last CTA to finish resets the counters, so scratch is clean for the next
- *      call of any layer that shares it.
+ *   No step cleans up: flags and counters in scratch are compared with the call's number
+ *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
+ *   shares the scratch can run next.
  * Shape limits: H % 64 == 0, I % 32 == 0, 1 <= K <= 32, E <= 4096, <= 64 tokens and
  * <= 1024 pairs per launch (the host splits larger batches into several launches).
  */
@@ -109,14 +111,24 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
 KX_HOST_DEVICE int block_scale_floats(const PhaseShape &ph) { return act_scale_floats(ph.chunk_kb); }
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
+constexpr int kMaxGrid = 1024;
+constexpr int kMaxUnits = max_units_for(kMaxPairs);
+
+/* The CTAs' hand-offs through scratch. Nothing here is reset between calls (a last CTA
+ * out cleaning up held every call's end back by ~2 kcycles of fence and atomic): a call
+ * knows its number, since every CTA counts its own calls and every call runs every CTA of
+ * the same grid, and flags hold the number of the call that set them. Layers of any
+ * shape share one scratch, so this sits first, the same for every shape. */
 struct SyncWords {
-  int xq_ready;               /* CTAs done quantizing x */
-  int done;                   /* CTAs finished */
-  unsigned long long fault;   /* ~((pair << 32) | id) of the first bad id, 0 = none */
+  unsigned long long fault;                 /* ~((pair << 32) | id) of the first bad id, 0 = none */
+  unsigned int xq_ready;                    /* += 1 per CTA done quantizing x: call n's x is in at n * grid */
+  unsigned long long calls[kMaxGrid];       /* calls run by CTA i */
+  unsigned long long unit_ready[kMaxUnits]; /* the call that released unit u's hidden rows */
+  unsigned int fc1_done[kMaxUnits];         /* unit u's FC1 tiles done, back to 0 at its last */
 };
 
 struct ScratchLayout {
-  int64_t sync, fc1_done, unit_ready, combine_count, xq, xs, h, hq, hs, y, total;
+  int64_t sync, combine_count, xq, xs, h, hq, hs, y, total;
 };
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
@@ -126,14 +138,12 @@ KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
 KX_HOST_DEVICE int launch_pairs(const kx_moe_shape &s, int launch_tokens) { return launch_tokens * s.top_k; }
 
 KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_tokens) {
-  const int pairs = launch_pairs(s, launch_tokens), units = max_units_for(pairs);
+  const int pairs = launch_pairs(s, launch_tokens);
   const PhaseShape fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   const PhaseShape fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   ScratchLayout L;
   int64_t at = 0;
   L.sync = at; at = align128(at + sizeof(SyncWords));
-  L.fc1_done = at; at = align128(at + 4 * (int64_t)units);
-  L.unit_ready = at; at = align128(at + 4 * (int64_t)units);
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
   L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.scale_row_floats());
@@ -147,14 +157,13 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
 
 /* ---- shared memory layout ------------------------------------------------------- */
 struct SmemLayout {
-  int ring, full, empty, parked, freed, reduce, flags, act_rows;
+  int ring, full, empty, parked, freed, reduce, call, act_rows;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals;
   int bytes;
 };
 
 constexpr int kReduceFloats = kConsumerWarps * kStripRows * kGroupTokens; /* [warp][row][token] */
-constexpr int kFlagWords = 1; /* last CTA out */
 
 KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   SmemLayout L;
@@ -166,7 +175,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   L.parked = take(8 * kEpilogueWarps, 8);
   L.freed = take(8 * kEpilogueWarps, 8);
   L.reduce = take(4 * kReduceFloats * kEpilogueWarps, 16);
-  L.flags = take(4 * kFlagWords, 4);
+  L.call = take(8, 8);
   L.act_rows = take(4 * kGroupTokens * kActivationWarps, 4);
   L.token_mask = take(8 * pairs, 8);
   L.expert_slot = take(4 * experts, 4);
@@ -202,7 +211,7 @@ struct Params {
   float beta, linear_beta;
   bool hidden_floor;
   SyncWords *sync;
-  int *fc1_done, *unit_ready, *combine_count;
+  int *combine_count;
   uint8_t *xq; /* f16 codes in fragment order (quantize_store) */
   float *xs;
   float *h;
@@ -388,12 +397,13 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
 
 /* Whether the units of this CTA's next 32 tiles have their hidden rows: one round trip
  * for 32 flags (a flag read costs about a microsecond, as long as an FC2 tile's copy). */
-__device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int total_tiles, int fc1_tiles) {
+__device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int total_tiles, int fc1_tiles,
+                                               unsigned long long call) {
   const int lane = threadIdx.x & 31, ahead = index + lane * gridDim.x;
   bool ready = true;
   if (ahead < total_tiles) {
     const TileRef ref = tile_ref(p, ahead, fc1_tiles);
-    ready = ref.fc1 || load_acquire(&p.unit_ready[ref.unit]) != 0;
+    ready = ref.fc1 || load_acquire(&p.sync->unit_ready[ref.unit]) == call;
   }
   const uint32_t mask = __ballot_sync(0xFFFFFFFFu, ready);
   fence_acq_rel_gpu(); /* what one lane acquired, every lane's copies may read */
@@ -405,7 +415,7 @@ __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int t
  * takes the CTA's tiles q with q % kActivationWarps == which, so one prepares and issues
  * its tile while the other's copies are in flight. */
 __device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
-                                    int which) {
+                                    int which, unsigned long long call) {
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
   int *rows = reinterpret_cast<int *>(smem + p.smem.act_rows) + which * kGroupTokens;
@@ -424,13 +434,13 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       __syncwarp();
       if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
       if (ref.fc1 && !x_ready) {
-        wait_at_least(&p.sync->xq_ready, (int)gridDim.x);
+        wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
         fence_proxy_async_global();
         x_ready = true;
       } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
         q_known = q;
-        known_ready = poll_units(p, index, total_tiles, fc1_tiles);
-        if (!(known_ready & 1)) wait_at_least(&p.unit_ready[ref.unit], 1);
+        known_ready = poll_units(p, index, total_tiles, fc1_tiles, call);
+        if (!(known_ready & 1)) wait_equal(&p.sync->unit_ready[ref.unit], call);
         fence_proxy_async_global();
       }
       __syncwarp();
@@ -637,8 +647,12 @@ __device__ __forceinline__ float reduced(const float *reduce, int strips, int st
 }
 
 /* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
-/* FC1: SiTU -> h; the CTA that finishes a unit's last FC1 tile quantizes its h. */
-__device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref) {
+/* Each tile's epilogue is two steps: store_*_sums reads the tile's partial sums out of
+ * the warp's reduction slot, then publish_* does the global hand-offs (counters, fences,
+ * the unit's quantization, the combine) after the slot went back to the MMA warps. */
+
+/* FC1: SiTU -> h. */
+__device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref) {
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   for (int o = lane; o < unit.count * kStripRows; o += 32) {
     const int row = o % kStripRows, token = o / kStripRows;
@@ -646,11 +660,16 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
     const float up = reduced(reduce, kFc1Strips, 1, row, token);
     p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = situ(gate, up, p.beta, p.linear_beta);
   }
-  __syncwarp();
+}
+
+/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it. */
+__device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
+  const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
   if (lane == 0) {
     __threadfence(); /* release this tile's h */
-    last = atomicAdd(&p.fc1_done[ref.unit], 1) == p.fc1.tiles - 1;
+    const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
+    last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
   }
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   __threadfence(); /* acquire the other tiles' h */
@@ -673,17 +692,15 @@ __device__ void finish_fc1_tile(const Params &p, const float *reduce, const Unit
   __syncwarp();
   if (lane == 0) {
     __threadfence();
-    store_release(&p.unit_ready[ref.unit], 1);
+    store_release(&p.sync->unit_ready[ref.unit], call);
   }
 }
-
-__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile);
 
 /* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. Lane i
  * first finds token i and its slots here (a mask over the K slots), so the column loop only
  * shuffles them instead of scanning all K slots per 4 columns. */
-__device__ void finish_fc2_tile(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
-                                const TileRef &ref) {
+__device__ void store_fc2_sums(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
+                               const TileRef &ref) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
    * 4 or 8), so the item loop splits its index by shifts */
@@ -712,7 +729,6 @@ __device__ void finish_fc2_tile(const Params &p, const float *reduce, const Rout
         store_bf16x4(p.out + ((int64_t)(p.tok0 + t) * K + (__ffs(m) - 1)) * p.out_ld + col0, v);
     }
   }
-  if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
 }
 
 /* z[t, cols] = bf16(sum_j w[t, j] * y[t, j, cols]) in slot order, by whichever CTA
@@ -750,7 +766,8 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
 }
 
 /* Epilogue warp e takes this CTA's tiles e, e + kEpilogueWarps, ... */
-__device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles) {
+__device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
+                              unsigned long long call) {
   const int e = (threadIdx.x >> 5) - kFirstEpilogueWarp, lane = threadIdx.x & 31;
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
@@ -761,10 +778,14 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
     mbar_wait(&parked[e], slot.parity);
-    if (ref.fc1) finish_fc1_tile(p, reduce, unit, ref);
-    else finish_fc2_tile(p, reduce, r, unit, ref);
+    if (ref.fc1) store_fc1_sums(p, reduce, unit, ref);
+    else store_fc2_sums(p, reduce, r, unit, ref);
     __syncwarp();
+    /* the slot is free before the hand-offs: at B = 64 the MMA warps waited 6 % of their
+     * loop for a slot while its warp sat in a unit's fence, atomic and quantization */
     if (lane == 0) mbar_arrive(&freed[e]);
+    if (ref.fc1) publish_fc1_tile(p, unit, ref, call);
+    else if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
   }
 }
 
@@ -787,7 +808,10 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
 __device__ void quantize_x(const Params &p) {
   const int kb_per_row = p.shape.hidden / kMxBlock;
   const int total = p.tokens * kb_per_row;
-  for (int b = blockIdx.x * kConsumerThreads + threadIdx.x; b < total; b += gridDim.x * kConsumerThreads) {
+  /* block b goes to CTA b % grid: a small batch's few blocks spread one per CTA instead of
+   * filling the first CTAs (the slowest CTA was done 8 kcycles after its start at B = 8,
+   * and every activation producer's first copy waits for it; -0.5 % at B = 8) */
+  for (int b = threadIdx.x * gridDim.x + blockIdx.x; b < total; b += gridDim.x * kConsumerThreads) {
     const int t = b / kb_per_row, kb = b % kb_per_row;
     float v[kMxBlock];
     load_bf16x32(p.x + t * p.x_ld + kb * kMxBlock, v);
@@ -812,7 +836,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                   reinterpret_cast<int *>(smem + L.token_bad), reinterpret_cast<uint32_t *>(smem + L.chunk_mask),
                   reinterpret_cast<int *>(smem + L.scan_tmp), reinterpret_cast<int *>(smem + L.totals)};
   const int warp = threadIdx.x >> 5;
-  int *flags = reinterpret_cast<int *>(smem + L.flags);
+  unsigned long long *call_slot = reinterpret_cast<unsigned long long *>(smem + L.call);
 
   /* 0. before the predecessor is done: nothing that reads its outputs */
   if (threadIdx.x == 0) {
@@ -829,12 +853,21 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   const int route_tid = threadIdx.x - kConsumerThreads;
   if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
   __syncthreads();
+  /* the next launch's CTAs may take the SMs of ours that finish early and run their part 0
+   * there; they wait for all of ours to finish before reading anything */
+  allow_dependents();
   wait_for_predecessor();
+  unsigned long long call = 0;
+  if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
 
   /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then
    *    overlaps the routing instead of following it) */
   if (warp < kConsumerWarps) {
     quantize_x(p);
+    if (threadIdx.x == 0) {
+      *call_slot = call;
+      p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
+    }
   } else {
     const bool reporter = blockIdx.x == 0;
     route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, [&](int pair, int id) {
@@ -844,6 +877,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     });
   }
   __syncthreads();
+  call = *call_slot;
   const int units = r.totals[1];
   const int fc1_tiles = units * p.fc1.tiles;
   const int total_tiles = fc1_tiles + units * p.fc2.tiles;
@@ -851,9 +885,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   if (warp == kWeightWarp) {
     produce_weights(p, smem, r, total_tiles, fc1_tiles);
   } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
-    produce_activations(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp);
+    produce_activations(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
   } else if (warp >= kFirstEpilogueWarp) {
-    run_epilogues(p, smem, r, total_tiles, fc1_tiles);
+    run_epilogues(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
     /* 2. the rows no tile will write */
     write_nan_rows(p, r);
@@ -869,26 +903,6 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
       consume_phase(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring);
-  }
-
-  /* 5. the last CTA out cleans the counters for the next call */
-  __syncthreads();
-  allow_dependents();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    flags[0] = atomicAdd(&p.sync->done, 1) == (int)gridDim.x - 1;
-    __threadfence();
-  }
-  __syncthreads();
-  if (flags[0]) {
-    for (int u = threadIdx.x; u < units; u += kThreads) {
-      p.fc1_done[u] = 0;
-      p.unit_ready[u] = 0;
-    }
-    if (threadIdx.x == 0) {
-      p.sync->xq_ready = 0;
-      p.sync->done = 0;
-    }
   }
 }
 
@@ -916,7 +930,7 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (L.bytes > max_smem) return cudaErrorInvalidConfiguration;
+  if (L.bytes > max_smem || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
   /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
    * layer configured later cannot break a larger one */
   cudaFuncAttributes attrs;
@@ -958,8 +972,6 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.linear_beta = a->linear_beta;
   p.hidden_floor = a->hidden_floor != 0;
   p.sync = (SyncWords *)(scratch + S.sync);
-  p.fc1_done = (int *)(scratch + S.fc1_done);
-  p.unit_ready = (int *)(scratch + S.unit_ready);
   p.combine_count = (int *)(scratch + S.combine_count);
   p.xq = scratch + S.xq;
   p.xs = (float *)(scratch + S.xs);

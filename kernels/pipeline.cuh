@@ -78,22 +78,34 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-/* ---- cross-CTA counters (GPU scope) ---- */
-__device__ __forceinline__ int load_acquire(const int *p) {
-  int v;
+/* ---- cross-CTA counters and flags (GPU scope) ---- */
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int *p) {
+  unsigned int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void store_release(int *p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ unsigned long long load_acquire(const unsigned long long *p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned long long *p, unsigned long long v) {
+  asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-/* Spins until *p >= target. Data values are never used as flags (SPEC 7), only counters. */
-__device__ __forceinline__ void wait_at_least(const int *p, int target) {
-  while (load_acquire(p) < target) __nanosleep(64);
+/* Spins until a counter that only grows has reached target, modulo 2^32 (it may wrap).
+ * Data values are never used as flags (SPEC 7), only counters and call numbers. */
+__device__ __forceinline__ void wait_count(const unsigned int *p, unsigned int target) {
+  while ((int)(load_acquire(p) - target) < 0) __nanosleep(64);
+}
+
+/* Spins until *p == v. */
+__device__ __forceinline__ void wait_equal(const unsigned long long *p, unsigned long long v) {
+  while (load_acquire(p) != v) __nanosleep(64);
 }
 
 /* ---- a place in a ring of stages: the slot, and the parity of the barrier phase a

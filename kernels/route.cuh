@@ -35,7 +35,7 @@ constexpr int kMaxLaunchTokens = 64; /* token masks are 64-bit */
 constexpr int kGroupTokens = 8;      /* tokens per unit: one MMA n-tile */
 constexpr uint32_t kNoPair = 0xFFFFFFFFu;
 
-KX_HOST_DEVICE int max_units_for(int pairs) { return pairs + pairs / kGroupTokens + 1; }
+KX_HOST_DEVICE constexpr int max_units_for(int pairs) { return pairs + pairs / kGroupTokens + 1; }
 
 struct Routing {
   int16_t *pair_expert;
