@@ -163,7 +163,14 @@ struct SmemLayout {
   int bytes;
 };
 
-constexpr int kReduceFloats = kConsumerWarps * kStripRows * kGroupTokens; /* [warp][row][token] */
+/* A reduction slot holds every MMA warp's partial sums as [warp][token][row]: the FC2
+ * epilogue reads 4 consecutive rows of a token with one 16-byte load (as [row][token]
+ * its lanes, 4 rows apart, all hit one bank: 32-way conflicts), and the FC1 epilogue's
+ * lanes read consecutive words. A warp's block is padded by 16 floats, so the two
+ * warps a quarter of the FC2 epilogue's lanes read lie 16 banks apart. */
+constexpr int kReducePitch = kGroupTokens * kStripRows + 16;
+constexpr int kReduceFloats = kConsumerWarps * kReducePitch;
+static_assert(kReducePitch % 4 == 0 && kStripRows % 4 == 0, "reduced4 reads 16-byte aligned rows");
 
 KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   SmemLayout L;
@@ -534,14 +541,14 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
   }
 }
 
-/* Parks this warp's partial sums as [warp][row][token] for the reduction. */
+/* Parks this warp's partial sums as [warp][token][row] (kReducePitch) for the reduction. */
 __device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[4]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  float *r = reduce + warp * kStripRows * kGroupTokens;
-  r[g * kGroupTokens + 2 * t] = acc[0];
-  r[g * kGroupTokens + 2 * t + 1] = acc[1];
-  r[(g + 8) * kGroupTokens + 2 * t] = acc[2];
-  r[(g + 8) * kGroupTokens + 2 * t + 1] = acc[3];
+  float *r = reduce + warp * kReducePitch;
+  r[2 * t * kStripRows + g] = acc[0];
+  r[(2 * t + 1) * kStripRows + g] = acc[1];
+  r[2 * t * kStripRows + g + 8] = acc[2];
+  r[(2 * t + 1) * kStripRows + g + 8] = acc[3];
 }
 
 /* What one MMA warp does in every tile of a phase, fixed once per phase: 16 warps over 2,
@@ -642,8 +649,19 @@ __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bo
 /* Sum over the warps that share a strip, in warp order; times the FP4 placement gain. */
 __device__ __forceinline__ float reduced(const float *reduce, int strips, int strip, int row, int token) {
   float sum = 0.0f;
-  for (int w = strip; w < kConsumerWarps; w += strips) sum += reduce[(w * kStripRows + row) * kGroupTokens + token];
+  for (int w = strip; w < kConsumerWarps; w += strips) sum += reduce[w * kReducePitch + token * kStripRows + row];
   return sum * kFp4AsF16Gain;
+}
+
+/* The same for rows row4 .. row4 + 3 (row4 % 4 == 0) of one token, one 16-byte load per warp. */
+__device__ __forceinline__ void reduced4(const float *reduce, int strips, int strip, int row4, int token,
+                                         float (&v)[4]) {
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int w = strip; w < kConsumerWarps; w += strips) {
+    const float4 x = *reinterpret_cast<const float4 *>(reduce + w * kReducePitch + token * kStripRows + row4);
+    sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
+  }
+  v[0] = sum.x * kFp4AsF16Gain; v[1] = sum.y * kFp4AsF16Gain; v[2] = sum.z * kFp4AsF16Gain; v[3] = sum.w * kFp4AsF16Gain;
 }
 
 /* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
@@ -720,8 +738,7 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Routi
     const int row4 = (o & (quads - 1)) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
     const int col0 = ref.tile * strips * kStripRows + row4;
     float v[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = reduced(reduce, strips, strip, row + k, token_i);
+    reduced4(reduce, strips, strip, row, token_i, v);
     if (p.route_weights) {
       store_bf16x4(p.y + (int64_t)(unit.row0 + token_i) * H + col0, v);
     } else {
