@@ -714,26 +714,36 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   }
 }
 
-/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. Lane i
- * first finds token i and its slots here (a mask over the K slots), so the column loop only
- * shuffles them instead of scanning all K slots per 4 columns. */
-__device__ void store_fc2_sums(const Params &p, const float *reduce, const Routing &r, const Unit &unit,
-                               const TileRef &ref) {
+/* Lane i's token of an FC2 tile's unit and the slots that routed it there (a mask over
+ * the K slots), so the column loop only shuffles them instead of scanning all K slots per
+ * 4 columns. Per-slot rows only: the combine goes through y. */
+struct TokenSlots {
+  int token;
+  uint32_t slots;
+};
+
+__device__ __forceinline__ TokenSlots token_slots(const Params &p, const Routing &r, const Unit &unit) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  TokenSlots ts{0, 0};
+  if (!p.route_weights && lane < unit.count) {
+    ts.token = nth_set_bit(unit.mask, unit.first_rank + lane);
+    for (int j = 0; j < K; ++j) ts.slots |= (uint32_t)(r.pair_expert[ts.token * K + j] == unit.expert) << j;
+  }
+  return ts;
+}
+
+/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
+__device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
+                               const TokenSlots &ts) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
    * 4 or 8), so the item loop splits its index by shifts */
   const int quads_log2 = __ffs(strips * kStripRows / 4) - 1, quads = 1 << quads_log2;
   const int items = unit.count * quads;
-  int token = 0;
-  uint32_t slots = 0;
-  if (!p.route_weights && lane < unit.count) {
-    token = nth_set_bit(unit.mask, unit.first_rank + lane);
-    for (int j = 0; j < K; ++j) slots |= (uint32_t)(r.pair_expert[token * K + j] == unit.expert) << j;
-  }
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, token_i = (o < items ? o : items - 1) >> quads_log2;
-    const int t = __shfl_sync(0xFFFFFFFFu, token, token_i);
-    const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, slots, token_i);
+    const int t = __shfl_sync(0xFFFFFFFFu, ts.token, token_i);
+    const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, ts.slots, token_i);
     if (o >= items) continue;
     const int row4 = (o & (quads - 1)) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
     const int col0 = ref.tile * strips * kStripRows + row4;
@@ -794,9 +804,11 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
+    /* found while the MMA warps still work on the tile, so the slot is held only for the sums */
+    const TokenSlots ts = ref.fc1 ? TokenSlots{0, 0} : token_slots(p, r, unit);
     mbar_wait(&parked[e], slot.parity);
     if (ref.fc1) store_fc1_sums(p, reduce, unit, ref);
-    else store_fc2_sums(p, reduce, r, unit, ref);
+    else store_fc2_sums(p, reduce, unit, ref, ts);
     __syncwarp();
     /* the slot is free before the hand-offs: at B = 64 the MMA warps waited 6 % of their
      * loop for a slot while its warp sat in a unit's fence, atomic and quantization */
