@@ -125,6 +125,43 @@ __device__ void routing_clear(const Routing &r, int experts, int tid) {
   }
 }
 
+/* The same tables for a launch of one token, by one warp (lane j: slot j, K <= 32) with
+ * no group barrier: the general path's seven barriers and shared atomics took ~4 kcycles
+ * of B = 1's start, before which no weight can stream. Experts keep the order of first
+ * appearance; each has one hidden row and one unit. */
+template <typename ReportBad>
+__device__ void route_one_token(const Routing &r, const int32_t *ids, int top_k, int experts, int lane,
+                                ReportBad report_bad) {
+  const bool slot = lane < top_k;
+  const int id = slot ? ids[lane] : -1;
+  const bool valid = slot && id >= 0 && id < experts;
+  /* the lanes that hold the same expert; every other lane is a group of its own */
+  const uint32_t same = __match_any_sync(0xFFFFFFFFu, valid ? id : -1 - lane);
+  const uint32_t below = (1u << lane) - 1;
+  const bool first = valid && !(same & below);
+  const uint32_t firsts = __ballot_sync(0xFFFFFFFFu, first);
+  const uint32_t bad = __ballot_sync(0xFFFFFFFFu, slot && !valid);
+  if (slot) {
+    r.pair_expert[lane] = valid ? (int16_t)id : (int16_t)-1;
+    if (!valid) report_bad(lane, id);
+  }
+  if (first) {
+    const int c = __popc(firsts & below);
+    r.expert_slot[id] = (uint32_t)c;
+    r.expert_id[c] = (uint16_t)id;
+    r.token_mask[c] = 1ull;
+    r.expert_scan[c] = (c << 16) | c;
+    r.unit_expert[c] = (uint16_t)c;
+    r.unit_group[c] = 0;
+  }
+  if (lane == 0) {
+    const int distinct = __popc(firsts);
+    r.token_experts[0] = distinct;
+    r.token_bad[0] = bad != 0;
+    r.totals[0] = r.totals[1] = r.totals[2] = distinct;
+  }
+}
+
 /* Builds the tables from ids rows tok0.. tok0+tokens-1. Bad ids are reported through
  * report_bad(pair index within this launch, id) by CTA 0 only. */
 template <typename ReportBad>
