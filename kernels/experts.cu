@@ -25,7 +25,7 @@
  *      previous kernel under programmatic dependent launch; this launch lets its own
  *      dependents start at once, so they do the same on SMs that ours leave early);
  *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or one warp
- *      for a launch of one token) -> units of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
+ *      when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
  *      scratch and a grid-wide counter says done (the activation producers wait for it
  *      before their first activation copy);
  *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 16 warps split K,
@@ -904,10 +904,10 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
       atomicMax(&p.sync->fault, ~key);
     };
-    if (p.tokens > 1)
+    if (!one_warp_routes(p.tokens, p.shape.top_k))
       route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
     else if (route_tid < 32)
-      route_one_token(r, p.ids, p.shape.top_k, p.shape.experts, route_tid, report_bad);
+      route_one_warp(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
   }
   __syncthreads();
   call = *call_slot;

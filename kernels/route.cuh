@@ -125,40 +125,59 @@ __device__ void routing_clear(const Routing &r, int experts, int tid) {
   }
 }
 
-/* The same tables for a launch of one token, by one warp (lane j: slot j, K <= 32) with
- * no group barrier: the general path's seven barriers and shared atomics took ~4 kcycles
- * of B = 1's start, before which no weight can stream. Experts keep the order of first
- * appearance; each has one hidden row and one unit. */
+/* Whether route_one_warp can route a launch: every pair a lane, every expert one unit. */
+__device__ __forceinline__ bool one_warp_routes(int tokens, int top_k) {
+  return tokens * top_k <= 32 && tokens <= kGroupTokens;
+}
+
+/* The same tables as route_pairs for a launch one_warp_routes, by one warp (lane p: pair
+ * p) with no group barrier: the general path's seven barriers and shared atomics took
+ * ~4 kcycles of B = 1's start, before which no weight can stream. */
 template <typename ReportBad>
-__device__ void route_one_token(const Routing &r, const int32_t *ids, int top_k, int experts, int lane,
-                                ReportBad report_bad) {
-  const bool slot = lane < top_k;
-  const int id = slot ? ids[lane] : -1;
-  const bool valid = slot && id >= 0 && id < experts;
+__device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids_ld, int tokens, int top_k,
+                               int experts, int lane, ReportBad report_bad) {
+  const int pairs = tokens * top_k;
+  const bool live = lane < pairs;
+  const int t = live ? lane / top_k : 0, id = live ? ids[t * ids_ld + lane - t * top_k] : -1;
+  const bool valid = live && id >= 0 && id < experts;
+  const uint32_t slot_bits = top_k == 32 ? 0xFFFFFFFFu : (1u << top_k) - 1; /* token u: slot_bits << u K */
+  const uint32_t below = (1u << lane) - 1;
   /* the lanes that hold the same expert; every other lane is a group of its own */
   const uint32_t same = __match_any_sync(0xFFFFFFFFu, valid ? id : -1 - lane);
-  const uint32_t below = (1u << lane) - 1;
-  const bool first = valid && !(same & below);
+  const bool first = valid && !(same & below); /* first appearance: the compact order */
   const uint32_t firsts = __ballot_sync(0xFFFFFFFFu, first);
-  const uint32_t bad = __ballot_sync(0xFFFFFFFFu, slot && !valid);
-  if (slot) {
+  const uint32_t token_firsts = __ballot_sync(0xFFFFFFFFu, valid && !(same & below & (slot_bits << t * top_k)));
+  const uint32_t bad = __ballot_sync(0xFFFFFFFFu, live && !valid);
+  if (live) {
     r.pair_expert[lane] = valid ? (int16_t)id : (int16_t)-1;
     if (!valid) report_bad(lane, id);
+  }
+  unsigned long long mask = 0; /* the expert's tokens */
+  for (int u = 0; u < tokens; ++u)
+    if (same & (slot_bits << u * top_k)) mask |= 1ull << u;
+  const int rows = first ? __popcll(mask) : 0;
+  int rows_through = rows; /* hidden rows of the experts up to this lane's */
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xFFFFFFFFu, rows_through, d);
+    if (lane >= d) rows_through += other;
   }
   if (first) {
     const int c = __popc(firsts & below);
     r.expert_slot[id] = (uint32_t)c;
     r.expert_id[c] = (uint16_t)id;
-    r.token_mask[c] = 1ull;
-    r.expert_scan[c] = (c << 16) | c;
+    r.token_mask[c] = mask;
+    r.expert_scan[c] = ((rows_through - rows) << 16) | c;
     r.unit_expert[c] = (uint16_t)c;
     r.unit_group[c] = 0;
   }
-  if (lane == 0) {
-    const int distinct = __popc(firsts);
-    r.token_experts[0] = distinct;
-    r.token_bad[0] = bad != 0;
-    r.totals[0] = r.totals[1] = r.totals[2] = distinct;
+  if (lane < tokens) {
+    r.token_experts[lane] = __popc(token_firsts & (slot_bits << lane * top_k));
+    r.token_bad[lane] = (bad & (slot_bits << lane * top_k)) != 0;
+  }
+  if (lane == 31) {
+    r.totals[0] = r.totals[1] = __popc(firsts);
+    r.totals[2] = rows_through;
   }
 }
 
