@@ -24,10 +24,10 @@
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch; this launch lets its own
  *      dependents start at once, so they do the same on SMs that ours leave early);
- *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or one warp
- *      when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA warps quantize their share of x to MXFP8 in
- *      scratch and a grid-wide counter says done (the activation producers wait for it
- *      before their first activation copy);
+ *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or on one
+ *      warp when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA
+ *      warps quantize their share of x to MXFP8 in scratch and a grid-wide counter says
+ *      done (the activation producers wait for it before their first activation copy);
  *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8

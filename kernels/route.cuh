@@ -5,6 +5,8 @@
  * before weights can stream (a separate routing launch costs more than the whole B=1
  * floor). A group of kRouteThreads threads routes and syncs on its own named barrier,
  * so the rest of the CTA can do other work meanwhile; `tid` is a thread's index in it.
+ * A launch of at most 32 pairs (B = 1, 2 at K = 16) is routed by one warp of the group
+ * instead, with warp votes and no barrier (route_one_warp), into the same tables.
  * Everything is deterministic: the expert order is the order of first appearance in
  * the pairs, and the tokens of an expert are in ascending token order (a 64-bit token
  * mask per expert), so all CTAs agree on every row index.
