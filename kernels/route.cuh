@@ -142,13 +142,14 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
   const bool live = lane < pairs;
   const int t = live ? lane / top_k : 0, id = live ? ids[t * ids_ld + lane - t * top_k] : -1;
   const bool valid = live && id >= 0 && id < experts;
-  const uint32_t slot_bits = top_k == 32 ? 0xFFFFFFFFu : (1u << top_k) - 1; /* token u: slot_bits << u K */
+  const uint32_t slot_bits = top_k == 32 ? 0xFFFFFFFFu : (1u << top_k) - 1;
+  const auto lanes_of = [&](int u) { return slot_bits << u * top_k; }; /* token u's pairs */
   const uint32_t below = (1u << lane) - 1;
   /* the lanes that hold the same expert; every other lane is a group of its own */
   const uint32_t same = __match_any_sync(0xFFFFFFFFu, valid ? id : -1 - lane);
   const bool first = valid && !(same & below); /* first appearance: the compact order */
   const uint32_t firsts = __ballot_sync(0xFFFFFFFFu, first);
-  const uint32_t token_firsts = __ballot_sync(0xFFFFFFFFu, valid && !(same & below & (slot_bits << t * top_k)));
+  const uint32_t token_firsts = __ballot_sync(0xFFFFFFFFu, valid && !(same & below & lanes_of(t)));
   const uint32_t bad = __ballot_sync(0xFFFFFFFFu, live && !valid);
   if (live) {
     r.pair_expert[lane] = valid ? (int16_t)id : (int16_t)-1;
@@ -156,7 +157,7 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
   }
   unsigned long long mask = 0; /* the expert's tokens */
   for (int u = 0; u < tokens; ++u)
-    if (same & (slot_bits << u * top_k)) mask |= 1ull << u;
+    if (same & lanes_of(u)) mask |= 1ull << u;
   const int rows = first ? __popcll(mask) : 0;
   int rows_through = rows; /* hidden rows of the experts up to this lane's */
 #pragma unroll
@@ -174,8 +175,8 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
     r.unit_group[c] = 0;
   }
   if (lane < tokens) {
-    r.token_experts[lane] = __popc(token_firsts & (slot_bits << lane * top_k));
-    r.token_bad[lane] = (bad & (slot_bits << lane * top_k)) != 0;
+    r.token_experts[lane] = __popc(token_firsts & lanes_of(lane));
+    r.token_bad[lane] = (bad & lanes_of(lane)) != 0;
   }
   if (lane == 31) {
     r.totals[0] = r.totals[1] = __popc(firsts);
