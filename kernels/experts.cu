@@ -14,7 +14,8 @@
  *   - 16 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
- *     8-column side) and fold the two E8M0 scales of each 32-block into fp32 sums;
+ *     8-column side) and fold each 32-block's weight scale into fp32 sums (activation
+ *     scales are folded into their f16 values: mx.cuh);
  *   - 5 epilogue warps take each tile's partial sums, so the MMA warps never wait on
  *     global memory.
  * Tiles are dealt round-robin over the grid: all FC1 tiles first, then all FC2 tiles, so
@@ -80,22 +81,17 @@ constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
 /* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
- * bytes plus 64, so the 8 rows' 16-byte fragment loads hit all banks; the scale pitch is 4
- * more than a multiple of 8 floats, so tokens 2t and 2t+1 of a quad land in different banks. */
+ * bytes plus 64, so the 8 rows' 16-byte fragment loads hit all banks. */
 KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return (chunk_kb * kActBlockBytes + 127) / 128 * 128 + 64; }
-KX_HOST_DEVICE constexpr int act_scale_floats(int chunk_kb) { return (chunk_kb + 7) / 8 * 8 + 4; }
 constexpr int kActRowBytes = act_row_bytes(kMaxChunkKb); /* FC1's x rows: room for any chunk */
-constexpr int kActScaleFloats = act_scale_floats(kMaxChunkKb);
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
-/* a stage: weights, then activation rows, then their scale rows */
+/* a stage: weights, then activation rows */
 constexpr int kStageActOffset = kStageWeightBytes;
-constexpr int kStageActScaleOffset = kStageActOffset + kStageActBytes;
-constexpr int kStageBytes = kStageActScaleOffset + kGroupTokens * kActScaleFloats * 4;
+constexpr int kStageBytes = kStageActOffset + kStageActBytes;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
 constexpr int kConsumerBarrier = 1;
 constexpr uint16_t kBf16Nan = 0x7FC0;
-constexpr int kCopyGranule = 16; /* bulk copies move multiples of 16 bytes */
 static_assert(kThreads - kConsumerThreads == kRouteThreads, "the warps that are not MMA warps route");
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
 static_assert(kUnitsPerChunk % kConsumerWarps == 0, "every warp gets the same units per stage");
@@ -108,7 +104,6 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
  * B = 64). A block row is laid out as a stage's activation row of that chunk. FC1's x rows
  * stay per token. */
 KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
-KX_HOST_DEVICE int block_scale_floats(const PhaseShape &ph) { return act_scale_floats(ph.chunk_kb); }
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
@@ -125,6 +120,7 @@ struct SyncWords {
   unsigned long long calls[kMaxGrid];       /* calls run by CTA i */
   unsigned long long unit_ready[kMaxUnits]; /* the call that released unit u's hidden rows */
   unsigned int fc1_done[kMaxUnits];         /* unit u's FC1 tiles done, back to 0 at its last */
+  unsigned int h_amax[kMaxPairs];           /* max |h| of hidden row r (float bits), 0 between calls */
 };
 
 struct ScratchLayout {
@@ -139,17 +135,16 @@ KX_HOST_DEVICE int launch_pairs(const kx_moe_shape &s, int launch_tokens) { retu
 
 KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_tokens) {
   const int pairs = launch_pairs(s, launch_tokens);
-  const PhaseShape fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   const PhaseShape fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   ScratchLayout L;
   int64_t at = 0;
   L.sync = at; at = align128(at + sizeof(SyncWords));
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
-  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens * fc1.scale_row_floats());
+  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens);
   L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
   L.hq = at; at = align128(at + (int64_t)fc2.n_chunks * pairs * block_row_bytes(fc2));
-  L.hs = at; at = align128(at + 4 * (int64_t)fc2.n_chunks * pairs * block_scale_floats(fc2));
+  L.hs = at; at = align128(at + 4 * (int64_t)pairs);
   L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
   L.total = at;
   return L;
@@ -219,12 +214,12 @@ struct Params {
   bool hidden_floor;
   SyncWords *sync;
   int *combine_count;
-  uint8_t *xq; /* f16 codes in fragment order (quantize_store) */
-  float *xs;
+  uint8_t *xq; /* f16 values in fragment order (quantize_store) */
+  float *xs;   /* per x row: 2^(R + 14), R its reference exponent (mx.cuh) */
   float *h;
   uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
-  float *hs;
+  float *hs;       /* per hidden row: 2^(R + 14) */
   __nv_bfloat16 *y;
 };
 
@@ -276,23 +271,53 @@ __device__ __forceinline__ void load_bf16x32(const __nv_bfloat16 *src, float (&v
   }
 }
 
-/* Quantizes one block of 32 fp32 to MXFP8 and stores the 32 codes as f16 (64 bytes,
- * 16-byte aligned) in MMA fragment order: lane t of a quad reads k = 2t, 2t+1, 2t+8,
- * 2t+9, 2t+16, 2t+17, 2t+24, 2t+25 (its B registers of both m16n8k16) as one 16-byte
- * load from offset 16t. Plus the block's scale as fp32. */
-__device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, uint8_t *dst,
-                                               float *scale_dst) {
+/* Two e4m3 codes times rel as an f16 pair, rounded once (exact inside the window of
+ * act_reference_exponent). */
+__device__ __forceinline__ uint32_t scaled_f16x2(uint32_t two_codes, float rel) {
+  const uint32_t codes = e4m3x2_to_f16x2(two_codes);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&codes));
+  const __half2 out = __float22half2_rn(make_float2(f.x * rel, f.y * rel));
+  return *reinterpret_cast<const uint32_t *>(&out);
+}
+
+/* Quantizes one block of 32 fp32 to MXFP8 and stores it for the MMAs: the 32 codes times
+ * 2^(e - ref_exp) as f16 (64 bytes, 16-byte aligned) in MMA fragment order, lane t of a
+ * quad reading k = 2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25 (its B registers of
+ * both m16n8k16) as one 16-byte load from offset 16t. A NaN block's codes are NaN. */
+__device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, int ref_exp,
+                                               uint8_t *dst) {
   uint32_t q[kMxBlock / 4];
-  const uint8_t s = quantize_block32(v, floor_mode, q);
+  const int e = (int)quantize_block32(v, floor_mode, q) - kE8m0Bias;
+  const int rel_exp = e - ref_exp; /* <= 7; far below the reference the values round to 0 */
+  const float rel = exp2_exact(rel_exp < -kE8m0Bias ? -kE8m0Bias : (rel_exp > kE8m0Bias ? kE8m0Bias : rel_exp));
   uint4 *d = reinterpret_cast<uint4 *>(dst);
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     /* bytes 2t, 2t+1 live in word t/2 at byte offset 2(t%2); +8 is the next-but-one word */
     const int shift = 16 * (t % 2);
-    d[t] = make_uint4(e4m3x2_to_f16x2(q[t / 2] >> shift), e4m3x2_to_f16x2(q[t / 2 + 2] >> shift),
-                      e4m3x2_to_f16x2(q[t / 2 + 4] >> shift), e4m3x2_to_f16x2(q[t / 2 + 6] >> shift));
+    d[t] = make_uint4(scaled_f16x2(q[t / 2] >> shift, rel), scaled_f16x2(q[t / 2 + 2] >> shift, rel),
+                      scaled_f16x2(q[t / 2 + 4] >> shift, rel), scaled_f16x2(q[t / 2 + 6] >> shift, rel));
   }
-  *scale_dst = e8m0_to_float(s);
+}
+
+/* max |x| of a bf16 row of n values (n % 8 == 0), read by the whole warp; a non-finite
+ * value makes it non-finite. */
+__device__ __forceinline__ float row_amax_bf16(const __nv_bfloat16 *row, int n) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t kMagnitudes = 0x7FFF7FFFu;
+  uint32_t m = 0; /* two bf16 magnitudes: as unsigned integers they order like the values */
+  if (((uintptr_t)row & 15) == 0) {
+#pragma unroll 4
+    for (int i = lane; i < n / 8; i += 32) {
+      const uint4 w = *reinterpret_cast<const uint4 *>(row + 8 * i);
+      m = __vmaxu2(m, __vmaxu2(__vmaxu2(w.x & kMagnitudes, w.y & kMagnitudes),
+                               __vmaxu2(w.z & kMagnitudes, w.w & kMagnitudes)));
+    }
+  } else {
+    for (int i = lane; i < n; i += 32) m = max(m, (uint32_t)__bfloat16_as_ushort(row[i]) & 0x7FFFu);
+  }
+  m = __reduce_max_sync(0xFFFFFFFFu, max(m >> 16, m & 0xFFFFu));
+  return __uint_as_float(m << 16);
 }
 
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
@@ -316,20 +341,13 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ float lds32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  return v;
-}
-
 struct Stage {
   uint8_t *weights, *act;
-  float *act_scale;
 };
 
 __device__ __forceinline__ Stage stage_at(uint8_t *smem, const SmemLayout &L, int s) {
   uint8_t *base = smem + L.ring + s * kStageBytes;
-  return Stage{base, base + kStageActOffset, reinterpret_cast<float *>(base + kStageActScaleOffset)};
+  return Stage{base, base + kStageActOffset};
 }
 
 /* Which phase, unit and tile a global tile index names. */
@@ -372,32 +390,26 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
   }
 }
 
-/* FC1's activation rows of a unit for one chunk: lane i copies row i and its scale row, one
- * copy-engine copy each (16-byte cp.async pieces kept this warp issuing for most of the
- * call: ~1.4 kcycles a stage at B = 8). A chunk's scales are rounded up to whole 16 bytes:
- * scratch gives each chunk a whole scale_pitch(), so that stays inside the row. */
+/* FC1's activation rows of a unit for one chunk: lane i copies row i, one copy-engine copy
+ * (16-byte cp.async pieces kept this warp issuing for most of the call: ~1.4 kcycles a
+ * stage at B = 8). */
 __device__ __forceinline__ void copy_activations(const Stage &st, uint64_t *full, const uint8_t *q_src,
-                                                 int64_t q_row_stride, const float *s_src, int64_t s_row_stride,
-                                                 const int *rows, int count, int row_bytes, int scale_bytes) {
+                                                 int64_t q_row_stride, const int *rows, int count, int row_bytes) {
   const int lane = threadIdx.x & 31;
-  const uint32_t s_bytes = (uint32_t)(scale_bytes + kCopyGranule - 1) & ~(uint32_t)(kCopyGranule - 1);
-  if (lane == 0) mbar_arrive_expect_tx(full, (uint32_t)count * ((uint32_t)row_bytes + s_bytes));
+  if (lane == 0) mbar_arrive_expect_tx(full, (uint32_t)count * (uint32_t)row_bytes);
   __syncwarp(); /* the bytes are expected before any can land */
-  if (lane < count) {
+  if (lane < count)
     bulk_copy(st.act + lane * kActRowBytes, q_src + rows[lane] * q_row_stride, (uint32_t)row_bytes, full);
-    bulk_copy(st.act_scale + lane * kActScaleFloats, s_src + rows[lane] * s_row_stride, s_bytes, full);
-  }
 }
 
-/* A unit's hidden rows and their scales for FC2 chunk c: two copies (unit blocks). */
+/* A unit's hidden rows for FC2 chunk c: one copy (unit blocks). */
 __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
                                                   int c) {
   const int64_t block_row = hidden_block_row(p, c, unit.row0);
-  const uint32_t row_bytes = block_row_bytes(p.fc2), scale_bytes = 4 * block_scale_floats(p.fc2);
+  const uint32_t bytes = (uint32_t)unit.count * block_row_bytes(p.fc2);
   if ((threadIdx.x & 31) == 0) {
-    mbar_arrive_expect_tx(full, (uint32_t)unit.count * (row_bytes + scale_bytes));
-    bulk_copy(st.act, p.hq + block_row * row_bytes, (uint32_t)unit.count * row_bytes, full);
-    bulk_copy(st.act_scale, p.hs + block_row * (scale_bytes / 4), (uint32_t)unit.count * scale_bytes, full);
+    mbar_arrive_expect_tx(full, bytes);
+    bulk_copy(st.act, p.hq + block_row * block_row_bytes(p.fc2), bytes, full);
   }
   __syncwarp();
 }
@@ -462,8 +474,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       const int nkb = ph.chunk_k_blocks(c);
       if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
-                         p.xs + c * ph.scale_pitch(), ph.scale_row_floats(), rows, unit.count, nkb * kActBlockBytes,
-                         nkb * 4);
+                         rows, unit.count, nkb * kActBlockBytes);
       else
         copy_hidden_block(p, st, &full[s], unit, c);
     }
@@ -473,20 +484,16 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
 /* ---- consumers: decode + MMA over a phase's tiles -------------------------------------- */
 /* Where one warp's first unit lies in a stage of chunks of nkb k-blocks, as byte offsets
  * from the stage; unit j is kStep k-blocks further, a compile-time offset. Activation rows
- * sit row_bytes apart and scale rows scale_floats apart (per phase: FC1's per-token rows,
- * FC2's unit blocks). */
+ * sit row_bytes apart (per phase: FC1's per-token rows, FC2's unit blocks). */
 struct UnitOffsets {
-  uint32_t weights, scales, act, act_scale, act_scale_next; /* the last: token 2t+1's */
+  uint32_t weights, scales, act;
 };
 
-__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes,
-                                                    int scale_floats) {
+__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
-  const uint32_t act_scale = (uint32_t)(kStageActScaleOffset + 4 * (2 * t * scale_floats + k_slot));
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t), act_scale,
-                     act_scale + 4 * (uint32_t)scale_floats};
+                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t)};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
@@ -507,18 +514,14 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
     __syncwarp();
     if (lane == 0) mbar_arrive(empty);
   } else {
-    const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = stage + o.act,
-                   act_scale = stage + o.act_scale, act_scale_next = stage + o.act_scale_next;
+    const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = stage + o.act;
     uint2 w[kUnits];
     uint4 b[kUnits];
     uint32_t sw[kUnits];
-    float sx0[kUnits], sx1[kUnits];
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       w[j] = lds64(weights + j * kStep * kUnitWeightBytes);
       b[j] = lds128(act + j * kStep * kActBlockBytes);
-      sx0[j] = lds32(act_scale + 4 * j * kStep);
-      sx1[j] = lds32(act_scale_next + 4 * j * kStep);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
     }
     __syncwarp();
@@ -533,10 +536,10 @@ __device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets 
       mma_f16(d, a_lo, b[j].x, b[j].y);
       mma_f16(d, a_hi, b[j].z, b[j].w);
       if (kPartial && j >= units) continue;
-      acc[0] = fmaf(d[0], sw_g * sx0[j], acc[0]);
-      acc[1] = fmaf(d[1], sw_g * sx1[j], acc[1]);
-      acc[2] = fmaf(d[2], sw_g8 * sx0[j], acc[2]);
-      acc[3] = fmaf(d[3], sw_g8 * sx1[j], acc[3]);
+      acc[0] = fmaf(d[0], sw_g, acc[0]);
+      acc[1] = fmaf(d[1], sw_g, acc[1]);
+      acc[2] = fmaf(d[2], sw_g8, acc[2]);
+      acc[3] = fmaf(d[3], sw_g8, acc[3]);
     }
   }
 }
@@ -571,9 +574,8 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool
   cp.full_chunks = cp.short_last ? ph.chunks() - 1 : ph.chunks();
   cp.last_units = units_in(last_kb, k_slot, step_log2);
   const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
-  const int scale_floats = fc1 ? kActScaleFloats : block_scale_floats(ph);
-  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes, scale_floats);
-  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes, scale_floats);
+  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
+  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
   return cp;
 }
 
@@ -646,22 +648,23 @@ __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bo
   }
 }
 
-/* Sum over the warps that share a strip, in warp order; times the FP4 placement gain. */
-__device__ __forceinline__ float reduced(const float *reduce, int strips, int strip, int row, int token) {
+/* Sum over the warps that share a strip, in warp order; times the token's row multiplier
+ * 2^(R + 14) (mx.cuh). */
+__device__ __forceinline__ float reduced(const float *reduce, int strips, int strip, int row, int token, float mult) {
   float sum = 0.0f;
   for (int w = strip; w < kConsumerWarps; w += strips) sum += reduce[w * kReducePitch + token * kStripRows + row];
-  return sum * kFp4AsF16Gain;
+  return sum * mult;
 }
 
 /* The same for rows row4 .. row4 + 3 (row4 % 4 == 0) of one token, one 16-byte load per warp. */
 __device__ __forceinline__ void reduced4(const float *reduce, int strips, int strip, int row4, int token,
-                                         float (&v)[4]) {
+                                         float mult, float (&v)[4]) {
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int w = strip; w < kConsumerWarps; w += strips) {
     const float4 x = *reinterpret_cast<const float4 *>(reduce + w * kReducePitch + token * kStripRows + row4);
     sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
   }
-  v[0] = sum.x * kFp4AsF16Gain; v[1] = sum.y * kFp4AsF16Gain; v[2] = sum.z * kFp4AsF16Gain; v[3] = sum.w * kFp4AsF16Gain;
+  v[0] = sum.x * mult; v[1] = sum.y * mult; v[2] = sum.z * mult; v[3] = sum.w * mult;
 }
 
 /* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
@@ -669,14 +672,53 @@ __device__ __forceinline__ void reduced4(const float *reduce, int strips, int st
  * the warp's reduction slot, then publish_* does the global hand-offs (counters, fences,
  * the unit's quantization, the combine) after the slot went back to the MMA warps. */
 
-/* FC1: SiTU -> h. */
-__device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref) {
-  const int lane = threadIdx.x & 31, I = p.shape.inter;
-  for (int o = lane; o < unit.count * kStripRows; o += 32) {
-    const int row = o % kStripRows, token = o / kStripRows;
-    const float gate = reduced(reduce, kFc1Strips, 0, row, token);
-    const float up = reduced(reduce, kFc1Strips, 1, row, token);
-    p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = situ(gate, up, p.beta, p.linear_beta);
+/* What an epilogue warp needs of its tile's tokens, fetched while the MMA warps still work
+ * on the tile, so the slot is held only for the sums. Lane i < count: token i, its row
+ * multiplier 2^(R + 14) (mx.cuh; x's are in once x is, a unit's hidden rows' with them),
+ * and for FC2's per-slot rows the slots that routed it here (a mask over the K slots), so
+ * the column loop shuffles them instead of scanning all K slots per 4 columns. */
+struct TileTokens {
+  int token;
+  float mult;
+  uint32_t slots;
+};
+
+__device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing &r, const Unit &unit,
+                                                  const TileRef &ref, unsigned long long call) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  TileTokens tt{0, 0.0f, 0};
+  if (lane >= unit.count) return tt;
+  tt.token = nth_set_bit(unit.mask, unit.first_rank + lane);
+  if (ref.fc1) {
+    wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
+    tt.mult = __ldcg(&p.xs[tt.token]);
+  } else {
+    wait_equal(&p.sync->unit_ready[ref.unit], call);
+    tt.mult = __ldcg(&p.hs[unit.row0 + lane]);
+    if (!p.route_weights)
+      for (int j = 0; j < K; ++j) tt.slots |= (uint32_t)(r.pair_expert[tt.token * K + j] == unit.expert) << j;
+  }
+  return tt;
+}
+
+/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile). */
+__device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
+                               const TileTokens &tt) {
+  const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kStripRows;
+  static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
+  for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
+    const int o = base + lane, row = o % kStripRows, token = (o < items ? o : items - 1) / kStripRows;
+    const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
+    float h = 0.0f;
+    if (o < items) {
+      const float gate = reduced(reduce, kFc1Strips, 0, row, token, mult);
+      const float up = reduced(reduce, kFc1Strips, 1, row, token, mult);
+      h = situ(gate, up, p.beta, p.linear_beta);
+      p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = h;
+    }
+    uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
+    for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+    if (row == 0 && o < items) atomicMax(&p.sync->h_amax[unit.row0 + token], m);
   }
 }
 
@@ -692,9 +734,20 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   __threadfence(); /* acquire the other tiles' h */
 
-  const int kb_per_row = I / kMxBlock;
-  for (int b = lane; b < unit.count * kb_per_row; b += 32) {
-    const int r = unit.row0 + b / kb_per_row, kb = b % kb_per_row;
+  /* each row's reference exponent (its max |h| goes back to 0 for the next call) and the
+   * multiplier the FC2 epilogues apply */
+  int ref_exp = 0;
+  if (lane < unit.count) {
+    const int row = unit.row0 + lane;
+    ref_exp = act_reference_exponent(__uint_as_float(atomicExch(&p.sync->h_amax[row], 0u)), p.hidden_floor);
+    p.hs[row] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+  }
+  const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
+  for (int base = 0; base < blocks; base += 32) { /* uniform trip count: every lane shuffles */
+    const int b = base + lane, row_i = (b < blocks ? b : blocks - 1) / kb_per_row;
+    const int row_ref_exp = __shfl_sync(0xFFFFFFFFu, ref_exp, row_i);
+    if (b >= blocks) continue;
+    const int r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
     const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
     float v[kMxBlock];
 #pragma unroll
@@ -704,8 +757,8 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     }
     const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
     const int64_t block_row = hidden_block_row(p, c, r);
-    quantize_store(v, p.hidden_floor, p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes,
-                   p.hs + block_row * block_scale_floats(p.fc2) + in_chunk);
+    quantize_store(v, p.hidden_floor, row_ref_exp,
+                   p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
   }
   __syncwarp();
   if (lane == 0) {
@@ -714,27 +767,9 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   }
 }
 
-/* Lane i's token of an FC2 tile's unit and the slots that routed it there (a mask over
- * the K slots), so the column loop only shuffles them instead of scanning all K slots per
- * 4 columns. Per-slot rows only: the combine goes through y. */
-struct TokenSlots {
-  int token;
-  uint32_t slots;
-};
-
-__device__ __forceinline__ TokenSlots token_slots(const Params &p, const Routing &r, const Unit &unit) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k;
-  TokenSlots ts{0, 0};
-  if (!p.route_weights && lane < unit.count) {
-    ts.token = nth_set_bit(unit.mask, unit.first_rank + lane);
-    for (int j = 0; j < K; ++j) ts.slots |= (uint32_t)(r.pair_expert[ts.token * K + j] == unit.expert) << j;
-  }
-  return ts;
-}
-
 /* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
 __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
-                               const TokenSlots &ts) {
+                               const TileTokens &tt) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
    * 4 or 8), so the item loop splits its index by shifts */
@@ -742,13 +777,14 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
   const int items = unit.count * quads;
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, token_i = (o < items ? o : items - 1) >> quads_log2;
-    const int t = __shfl_sync(0xFFFFFFFFu, ts.token, token_i);
-    const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, ts.slots, token_i);
+    const int t = __shfl_sync(0xFFFFFFFFu, tt.token, token_i);
+    const uint32_t t_slots = __shfl_sync(0xFFFFFFFFu, tt.slots, token_i);
+    const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token_i);
     if (o >= items) continue;
     const int row4 = (o & (quads - 1)) * 4, strip = row4 / kStripRows, row = row4 % kStripRows;
     const int col0 = ref.tile * strips * kStripRows + row4;
     float v[4];
-    reduced4(reduce, strips, strip, row, token_i, v);
+    reduced4(reduce, strips, strip, row, token_i, mult, v);
     if (p.route_weights) {
       store_bf16x4(p.y + (int64_t)(unit.row0 + token_i) * H + col0, v);
     } else {
@@ -804,11 +840,10 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
-    /* found while the MMA warps still work on the tile, so the slot is held only for the sums */
-    const TokenSlots ts = ref.fc1 ? TokenSlots{0, 0} : token_slots(p, r, unit);
+    const TileTokens tt = tile_tokens(p, r, unit, ref, call);
     mbar_wait(&parked[e], slot.parity);
-    if (ref.fc1) store_fc1_sums(p, reduce, unit, ref);
-    else store_fc2_sums(p, reduce, unit, ref, ts);
+    if (ref.fc1) store_fc1_sums(p, reduce, unit, ref, tt);
+    else store_fc2_sums(p, reduce, unit, ref, tt);
     __syncwarp();
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
@@ -833,19 +868,25 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
   }
 }
 
-/* ---- x -> MXFP8 in scratch, split over the whole grid ------------------------------ */
+/* ---- x -> MXFP8 in scratch, as the MMAs take it, split over the whole grid ---------- */
+/* A warp takes 32 consecutive blocks of a row as its lanes, after reading the whole row for
+ * its reference exponent (mx.cuh; 7 KB from L2 at k3-tp8's H). Task j goes to CTA j % grid:
+ * a small batch's few tasks spread one per CTA instead of filling the first CTAs (the
+ * slowest CTA was done 8 kcycles after its start at B = 8, and every activation
+ * producer's first copy waits for it; -0.5 % at B = 8). */
 __device__ void quantize_x(const Params &p) {
-  const int kb_per_row = p.shape.hidden / kMxBlock;
-  const int total = p.tokens * kb_per_row;
-  /* block b goes to CTA b % grid: a small batch's few blocks spread one per CTA instead of
-   * filling the first CTAs (the slowest CTA was done 8 kcycles after its start at B = 8,
-   * and every activation producer's first copy waits for it; -0.5 % at B = 8) */
-  for (int b = threadIdx.x * gridDim.x + blockIdx.x; b < total; b += gridDim.x * kConsumerThreads) {
-    const int t = b / kb_per_row, kb = b % kb_per_row;
-    float v[kMxBlock];
-    load_bf16x32(p.x + t * p.x_ld + kb * kMxBlock, v);
-    quantize_store(v, false, p.xq + ((int64_t)t * p.shape.hidden + kb * kMxBlock) * 2,
-                   p.xs + (int64_t)t * p.fc1.scale_row_floats() + p.fc1.scale_index(kb));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = p.shape.hidden;
+  const int kb_per_row = H / kMxBlock, groups = (kb_per_row + 31) / 32;
+  for (int task = warp * gridDim.x + blockIdx.x; task < p.tokens * groups; task += gridDim.x * kConsumerWarps) {
+    const int t = task / groups, kb = (task - t * groups) * 32 + lane;
+    const __nv_bfloat16 *row = p.x + t * p.x_ld;
+    const int ref_exp = act_reference_exponent(row_amax_bf16(row, H), false);
+    if (kb == 0) p.xs[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+    if (kb < kb_per_row) {
+      float v[kMxBlock];
+      load_bf16x32(row + kb * kMxBlock, v);
+      quantize_store(v, false, ref_exp, p.xq + ((int64_t)t * H + kb * kMxBlock) * 2);
+    }
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {

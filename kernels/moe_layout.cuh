@@ -69,12 +69,6 @@ struct PhaseShape {
   int64_t base;    /* offset of this phase's region in the packed buffer */
 
   KX_HOST_DEVICE int chunks() const { return n_chunks; }
-  /* Activation scales in scratch: a row is n_chunks pieces of scale_pitch() floats, one
-   * per chunk, rounded up to whole 16-byte copies (a bulk copy starts 16-byte aligned);
-   * k-block kb of row r sits at r * scale_row_floats() + scale_index(kb). */
-  KX_HOST_DEVICE int scale_pitch() const { return (chunk_kb + 3) & ~3; }
-  KX_HOST_DEVICE int scale_row_floats() const { return n_chunks * scale_pitch(); }
-  KX_HOST_DEVICE int scale_index(int kb) const { return kb / chunk_kb * scale_pitch() + kb % chunk_kb; }
   /* n / tiles for 0 <= n < 2^24 (tiles < 2^16: the rounding of tiles_inv stays below
    * 1 / tiles); the kernels split tile indices this way on every role's hot path. */
   KX_HOST_DEVICE int per_tiles(int n) const { return (int)(((uint64_t)n * tiles_inv) >> 40); }

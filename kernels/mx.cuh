@@ -12,8 +12,10 @@
  * weights are widened straight to f16 in registers with plain bit operations. An e2m1
  * nibble s.e1e0.m placed as s at bit 15 and e1e0m at bits 11..9 of a half is the f16
  * with the same digits, 2^-14 times the e2m1 value (e2m1 0.5 becomes an f16 subnormal).
- * Activations travel as the f16 value of their e4m3 code (exact), scales kept apart.
- * The kernels multiply the 2^14 back once per output, after the sums.
+ * Activations travel as f16 values with their block scales folded in, relative to one
+ * reference exponent per row (act_reference_exponent), so the MMA loop multiplies by the
+ * weight scale alone; the sums are multiplied by 2^(R + 14) once per output (the 2^14
+ * undoes the FP4 placement, 2^R the reference).
  */
 #pragma once
 
@@ -28,7 +30,7 @@ constexpr int kMxBlock = 32;           /* elements sharing one scale */
 constexpr int kE8m0Bias = 127;
 constexpr uint8_t kE8m0Nan = 0xFF;
 constexpr uint32_t kE4m3NanX4 = 0x7F7F7F7Fu; /* four e4m3 NaN codes */
-constexpr float kFp4AsF16Gain = 16384.0f; /* 2^14: undoes the placement in decode_fp4x8 */
+constexpr int kFp4AsF16GainLog2 = 14; /* 2^14 undoes the placement in decode_fp4x8 */
 
 /* 2^(s-127) as fp32 with s = 0 (a subnormal) and s = 0xFF (NaN) exact. */
 __device__ __forceinline__ float e8m0_to_float(uint32_t s) {
@@ -73,6 +75,19 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
   const uint32_t kFracOf1p75 = 0x600000u;
   int e = k - 8 + ((!floor_mode && frac > kFracOf1p75) ? 1 : 0);
   return e < -kE8m0Bias ? -kE8m0Bias : (e > kE8m0Bias ? kE8m0Bias : e);
+}
+
+/* An activation block reaches the MMAs as q * 2^(e - R): its e4m3 codes q times its
+ * scale relative to R = E - 7, where E is the largest block exponent of the row (that of
+ * the row's amax, as the block rule is monotonic). Then q * 2^(e - R) <= 448 * 2^7 fits
+ * f16, every block within 22 binades of the row's largest is exact (smaller ones round
+ * at 2^-24 * 2^R, 2^-33 of the row's amax), and scaling by powers of two commutes with
+ * fp32 rounding: the sums carry the same bits as with every block's own scale applied
+ * in the MMA loop (ncu at B = 8: that loop's scale loads and products cost 8 %). A row
+ * with a non-finite value is NaN in every output whatever R is (0 then). */
+__device__ __forceinline__ int act_reference_exponent(float row_amax, bool floor_mode) {
+  if (!isfinite(row_amax)) return 0;
+  return mxfp8_exponent(row_amax, floor_mode) - 7; /* <= 113 for finite fp32: 2^(R + 14) is finite */
 }
 
 /* Four e4m3 bytes (little end = first) of v[0..3] * mul, RNE, saturating. */
