@@ -300,26 +300,18 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
   }
 }
 
-/* max |x| of a bf16 row of n values (n % 8 == 0), read by the whole warp in batches of
- * 8 16-byte loads per lane (one batch's loads in flight together: a row of k3-tp8 is two
- * round trips); a non-finite value makes it non-finite. */
+/* max |x| of a bf16 row of n values (n % 8 == 0), read by the whole warp; a non-finite
+ * value makes it non-finite. */
 __device__ __forceinline__ float row_amax_bf16(const __nv_bfloat16 *row, int n) {
-  constexpr int kBatch = 8;
-  const int lane = threadIdx.x & 31, pieces = n / 8;
+  const int lane = threadIdx.x & 31;
   const uint32_t kMagnitudes = 0x7FFF7FFFu;
   uint32_t m = 0; /* two bf16 magnitudes: as unsigned integers they order like the values */
   if (((uintptr_t)row & 15) == 0) {
-    for (int base = 0; base < pieces; base += 32 * kBatch) {
-      uint4 w[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int i = base + 32 * k + lane;
-        w[k] = i < pieces ? *reinterpret_cast<const uint4 *>(row + 8 * i) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k)
-        m = __vmaxu2(m, __vmaxu2(__vmaxu2(w[k].x & kMagnitudes, w[k].y & kMagnitudes),
-                                 __vmaxu2(w[k].z & kMagnitudes, w[k].w & kMagnitudes)));
+#pragma unroll 4
+    for (int i = lane; i < n / 8; i += 32) {
+      const uint4 w = *reinterpret_cast<const uint4 *>(row + 8 * i);
+      m = __vmaxu2(m, __vmaxu2(__vmaxu2(w.x & kMagnitudes, w.y & kMagnitudes),
+                               __vmaxu2(w.z & kMagnitudes, w.w & kMagnitudes)));
     }
   } else {
     for (int i = lane; i < n; i += 32) m = max(m, (uint32_t)__bfloat16_as_ushort(row[i]) & 0x7FFFu);
@@ -742,34 +734,31 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   __threadfence(); /* acquire the other tiles' h */
 
-  /* each row's reference exponent: every FC1 tile of the unit is in, so its rows' max |h|
-   * are final (a plain load, whose round trip overlaps the loads of h) */
-  const float *row_amax = reinterpret_cast<const float *>(p.sync->h_amax) + unit.row0;
-  const int ref_exp = lane < unit.count ? act_reference_exponent(__ldcg(row_amax + lane), p.hidden_floor) : 0;
+  /* each row's reference exponent (its max |h| goes back to 0 for the next call) and the
+   * multiplier the FC2 epilogues apply */
+  int ref_exp = 0;
+  if (lane < unit.count) {
+    const int row = unit.row0 + lane;
+    ref_exp = act_reference_exponent(__uint_as_float(atomicExch(&p.sync->h_amax[row], 0u)), p.hidden_floor);
+    p.hs[row] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+  }
   const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
   for (int base = 0; base < blocks; base += 32) { /* uniform trip count: every lane shuffles */
     const int b = base + lane, row_i = (b < blocks ? b : blocks - 1) / kb_per_row;
-    const int r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
-    float v[kMxBlock];
-    if (b < blocks) {
-      const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
-#pragma unroll
-      for (int i = 0; i < kMxBlock / 4; ++i) {
-        const float4 f = __ldcg(src + i);
-        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-      }
-    }
     const int row_ref_exp = __shfl_sync(0xFFFFFFFFu, ref_exp, row_i);
     if (b >= blocks) continue;
+    const int r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
+    float v[kMxBlock];
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 4; ++i) {
+      const float4 f = __ldcg(src + i);
+      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
     const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
     const int64_t block_row = hidden_block_row(p, c, r);
     quantize_store(v, p.hidden_floor, row_ref_exp,
                    p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
-  }
-  /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */
-  if (lane < unit.count) {
-    p.hs[unit.row0 + lane] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
-    p.sync->h_amax[unit.row0 + lane] = 0;
   }
   __syncwarp();
   if (lane == 0) {
