@@ -83,8 +83,10 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
  * f16, every block within 22 binades of the row's largest is exact (smaller ones round
  * at 2^-24 * 2^R, 2^-33 of the row's amax), and scaling by powers of two commutes with
  * fp32 rounding: the sums carry the same bits as with every block's own scale applied
- * in the MMA loop (ncu at B = 8: that loop's scale loads and products cost 8 %). A row
- * with a non-finite value is NaN in every output whatever R is (0 then). */
+ * in the MMA loop (that loop's scale loads and products cost 8 % at B = 8), as long as
+ * the partial sums stay in fp32's normal range (they are 2^-R times the old ones, at
+ * most |w| * 2^16 * K: weights below ~2^100). A row with a non-finite value is NaN in
+ * every output whatever R is (0 then). */
 __device__ __forceinline__ int act_reference_exponent(float row_amax, bool floor_mode) {
   if (!isfinite(row_amax)) return 0;
   return mxfp8_exponent(row_amax, floor_mode) - 7; /* <= 113 for finite fp32: 2^(R + 14) is finite */
