@@ -124,7 +124,7 @@ struct SyncWords {
 };
 
 struct ScratchLayout {
-  int64_t sync, combine_count, xq, xs, h, hq, hs, y, total;
+  int64_t sync, combine_count, xq, x_mult, h, hq, h_mult, y, total;
 };
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
@@ -141,10 +141,10 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   L.sync = at; at = align128(at + sizeof(SyncWords));
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
-  L.xs = at; at = align128(at + 4 * (int64_t)launch_tokens);
+  L.x_mult = at; at = align128(at + 4 * (int64_t)launch_tokens);
   L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
   L.hq = at; at = align128(at + (int64_t)fc2.n_chunks * pairs * block_row_bytes(fc2));
-  L.hs = at; at = align128(at + 4 * (int64_t)pairs);
+  L.h_mult = at; at = align128(at + 4 * (int64_t)pairs);
   L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
   L.total = at;
   return L;
@@ -215,11 +215,11 @@ struct Params {
   SyncWords *sync;
   int *combine_count;
   uint8_t *xq; /* f16 values in fragment order (quantize_store) */
-  float *xs;   /* per x row: 2^(R + 14), R its reference exponent (mx.cuh) */
+  float *x_mult; /* per x row: 2^(R + 14), R its reference exponent (mx.cuh) */
   float *h;
   uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
-  float *hs;       /* per hidden row: 2^(R + 14) */
+  float *h_mult;   /* per hidden row: 2^(R + 14) */
   __nv_bfloat16 *y;
 };
 
@@ -691,10 +691,10 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
   tt.token = nth_set_bit(unit.mask, unit.first_rank + lane);
   if (ref.fc1) {
     wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
-    tt.mult = __ldcg(&p.xs[tt.token]);
+    tt.mult = __ldcg(&p.x_mult[tt.token]);
   } else {
     wait_equal(&p.sync->unit_ready[ref.unit], call);
-    tt.mult = __ldcg(&p.hs[unit.row0 + lane]);
+    tt.mult = __ldcg(&p.h_mult[unit.row0 + lane]);
     if (!p.route_weights)
       for (int j = 0; j < K; ++j) tt.slots |= (uint32_t)(r.pair_expert[tt.token * K + j] == unit.expert) << j;
   }
@@ -740,7 +740,7 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   if (lane < unit.count) {
     const int row = unit.row0 + lane;
     ref_exp = act_reference_exponent(__uint_as_float(atomicExch(&p.sync->h_amax[row], 0u)), p.hidden_floor);
-    p.hs[row] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+    p.h_mult[row] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
   }
   const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
   for (int base = 0; base < blocks; base += 32) { /* uniform trip count: every lane shuffles */
@@ -881,7 +881,7 @@ __device__ void quantize_x(const Params &p) {
     const int t = task / groups, kb = (task - t * groups) * 32 + lane;
     const __nv_bfloat16 *row = p.x + t * p.x_ld;
     const int ref_exp = act_reference_exponent(row_amax_bf16(row, H), false);
-    if (kb == 0) p.xs[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+    if (kb == 0) p.x_mult[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
     if (kb < kb_per_row) {
       float v[kMxBlock];
       load_bf16x32(row + kb * kMxBlock, v);
@@ -1048,10 +1048,10 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.sync = (SyncWords *)(scratch + S.sync);
   p.combine_count = (int *)(scratch + S.combine_count);
   p.xq = scratch + S.xq;
-  p.xs = (float *)(scratch + S.xs);
+  p.x_mult = (float *)(scratch + S.x_mult);
   p.h = (float *)(scratch + S.h);
   p.hq = scratch + S.hq;
-  p.hs = (float *)(scratch + S.hs);
+  p.h_mult = (float *)(scratch + S.h_mult);
   p.hidden_rows = pairs;
   p.y = (__nv_bfloat16 *)(scratch + S.y);
   p.rw_ld = a->weights_row_stride;
