@@ -81,7 +81,7 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
  * scale relative to R = E - 7, where E is the largest block exponent of the row (that of
  * the row's amax, as the block rule is monotonic). Then q * 2^(e - R) <= 448 * 2^7 fits
  * f16, every block within 22 binades of the row's largest is exact (smaller ones round
- * at 2^-24 * 2^R, 2^-33 of the row's amax), and scaling by powers of two commutes with
+ * at 2^-24 * 2^R, ~2^-39 of the row's amax), and scaling by powers of two commutes with
  * fp32 rounding: the sums carry the same bits as with every block's own scale applied
  * in the MMA loop (that loop's scale loads and products cost 8 % at B = 8), as long as
  * the partial sums stay in fp32's normal range (they are 2^-R times the old ones, at
