@@ -32,16 +32,8 @@ constexpr uint8_t kE8m0Nan = 0xFF;
 constexpr uint32_t kE4m3NanX4 = 0x7F7F7F7Fu; /* four e4m3 NaN codes */
 constexpr int kFp4AsF16GainLog2 = 14; /* 2^14 undoes the placement in decode_fp4x8 */
 
-/* 2^(s-127) as fp32 with s = 0 (a subnormal) and s = 0xFF (NaN) exact. */
-__device__ __forceinline__ float e8m0_to_float(uint32_t s) {
-  uint32_t bits = s << 23;
-  if (s == 0) bits = 0x00400000u;
-  if (s == kE8m0Nan) bits = 0x7FC00000u;
-  return __uint_as_float(bits);
-}
-
-/* The same for weight scales, which the packer has made safe for a bare shift: a
- * 0xFF (NaN) block has zero elements, so 0 * inf = NaN still reaches every sum it is
+/* 2^(s-127) as fp32 for a weight scale, which the packer has made safe for a bare shift:
+ * a 0xFF (NaN) block has zero elements, so 0 * inf = NaN still reaches every sum it is
  * part of; a 0 byte (2^-127, elements below 4e-38) reads as 0. */
 __device__ __forceinline__ float e8m0_to_float_nonzero(uint32_t s) { return __uint_as_float(s << 23); }
 
