@@ -60,9 +60,9 @@ namespace {
  * 5 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
- * latencies better (-4.5 % at B = 8; 80 registers; since v17 ptxas spills one word, the
- * CTA index, reloaded once per tile and by write_nan_rows). Their partial sums then
- * take twice the reduction work, and a fifth epilogue warp gives back what the MMA
+ * latencies better (-4.5 % at B = 8; 80 registers; since v17 ptxas spills a few words,
+ * 28 bytes on v23, one of them reloaded once per tile). Their partial sums then take
+ * twice the reduction work, and a fifth epilogue warp gives back what the MMA
  * warps waited for a free slot (-3.4 % at B = 64). One activation producer's per-chunk
  * latency (a unit's rows, one bulk copy per row issued lane after lane) was on the
  * critical path: 200 idle cycles per chunk cost 17 % at B = 8; a second one, taking
