@@ -734,21 +734,18 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   __threadfence(); /* acquire the other tiles' h */
 
-  /* each row's reference exponent (its max |h| goes back to 0 for the next call) and the
-   * multiplier the FC2 epilogues apply */
-  int ref_exp = 0;
-  if (lane < unit.count) {
-    const int row = unit.row0 + lane;
-    ref_exp = act_reference_exponent(__uint_as_float(atomicExch(&p.sync->h_amax[row], 0u)), p.hidden_floor);
-    p.h_mult[row] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
-  }
+  /* every FC1 tile of the unit is in, so its rows' max |h| are final: each lane loads its
+   * block's row's with its h (plain loads, one round trip for both) */
+  const unsigned int *row_amax = p.sync->h_amax + unit.row0;
+  const float my_amax = lane < unit.count ? __uint_as_float(__ldcg(row_amax + lane)) : 0.0f;
   const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
-  for (int base = 0; base < blocks; base += 32) { /* uniform trip count: every lane shuffles */
-    const int b = base + lane, row_i = (b < blocks ? b : blocks - 1) / kb_per_row;
-    const int row_ref_exp = __shfl_sync(0xFFFFFFFFu, ref_exp, row_i);
+  /* a warp-uniform trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere */
+  for (int base = 0; base < blocks; base += 32) {
+    const int b = base + lane;
     if (b >= blocks) continue;
-    const int r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
     const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
+    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
     float v[kMxBlock];
 #pragma unroll
     for (int i = 0; i < kMxBlock / 4; ++i) {
@@ -757,8 +754,14 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     }
     const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
     const int64_t block_row = hidden_block_row(p, c, r);
-    quantize_store(v, p.hidden_floor, row_ref_exp,
+    quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor),
                    p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
+  }
+  __syncwarp(); /* every lane has read the rows' max |h| */
+  /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */
+  if (lane < unit.count) {
+    p.h_mult[unit.row0 + lane] = exp2_exact(act_reference_exponent(my_amax, p.hidden_floor) + kFp4AsF16GainLog2);
+    p.sync->h_amax[unit.row0 + lane] = 0;
   }
   __syncwarp();
   if (lane == 0) {
