@@ -152,7 +152,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
 
 /* ---- shared memory layout ------------------------------------------------------- */
 struct SmemLayout {
-  int ring, full, empty, parked, freed, reduce, call, act_rows;
+  int ring, full, empty, parked, freed, reduce, call, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals;
   int bytes;
@@ -179,6 +179,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   L.reduce = take(4 * kReduceFloats * kEpilogueWarps, 16);
   L.call = take(8, 8);
   L.act_rows = take(4 * kGroupTokens * kActivationWarps, 4);
+  L.x_amax = take(4 * kMaxLaunchTokens, 4);
   L.token_mask = take(8 * pairs, 8);
   L.expert_slot = take(4 * experts, 4);
   L.expert_scan = take(4 * pairs, 4);
@@ -298,26 +299,6 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
     d[t] = make_uint4(scaled_f16x2(q[t / 2] >> shift, rel), scaled_f16x2(q[t / 2 + 2] >> shift, rel),
                       scaled_f16x2(q[t / 2 + 4] >> shift, rel), scaled_f16x2(q[t / 2 + 6] >> shift, rel));
   }
-}
-
-/* max |x| of a bf16 row of n values (n % 8 == 0), read by the whole warp; a non-finite
- * value makes it non-finite. */
-__device__ __forceinline__ float row_amax_bf16(const __nv_bfloat16 *row, int n) {
-  const int lane = threadIdx.x & 31;
-  const uint32_t kMagnitudes = 0x7FFF7FFFu;
-  uint32_t m = 0; /* two bf16 magnitudes: as unsigned integers they order like the values */
-  if (((uintptr_t)row & 15) == 0) {
-#pragma unroll 4
-    for (int i = lane; i < n / 8; i += 32) {
-      const uint4 w = *reinterpret_cast<const uint4 *>(row + 8 * i);
-      m = __vmaxu2(m, __vmaxu2(__vmaxu2(w.x & kMagnitudes, w.y & kMagnitudes),
-                               __vmaxu2(w.z & kMagnitudes, w.w & kMagnitudes)));
-    }
-  } else {
-    for (int i = lane; i < n; i += 32) m = max(m, (uint32_t)__bfloat16_as_ushort(row[i]) & 0x7FFFu);
-  }
-  m = __reduce_max_sync(0xFFFFFFFFu, max(m >> 16, m & 0xFFFFu));
-  return __uint_as_float(m << 16);
 }
 
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
@@ -871,21 +852,29 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
   }
 }
 
-/* ---- x -> MXFP8 in scratch, as the MMAs take it, split over the whole grid ---------- */
-/* A warp takes 32 consecutive blocks of a row as its lanes, after reading the whole row for
- * its reference exponent (mx.cuh; 7 KB from L2 at k3-tp8's H). Task j goes to CTA j % grid:
- * a small batch's few tasks spread one per CTA instead of filling the first CTAs (the
- * slowest CTA was done 8 kcycles after its start at B = 8, and every activation
- * producer's first copy waits for it; -0.5 % at B = 8). */
-__device__ void quantize_x(const Params &p) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, H = p.shape.hidden;
-  const int kb_per_row = H / kMxBlock, groups = (kb_per_row + 31) / 32;
-  for (int task = warp * gridDim.x + blockIdx.x; task < p.tokens * groups; task += gridDim.x * kConsumerWarps) {
-    const int t = task / groups, kb = (task - t * groups) * 32 + lane;
+/* ---- x -> MXFP8 in scratch, as the MMAs take it: row t by CTA t % grid -------------- */
+/* The MMA threads of a CTA share a row: each loads its blocks and keeps their max |x|,
+ * the row's max meets in shared memory (row_amax[i] for the CTA's i-th row, zeroed at
+ * the kernel's start), then each quantizes its blocks against the row's reference
+ * exponent (mx.cuh), reloading them from L1. One L2 round trip per row, as with a block
+ * per thread over the grid (v22b); a warp per 32 blocks that read its whole row for the
+ * reference (v23) took four. */
+__device__ void quantize_x(const Params &p, unsigned int *row_amax) {
+  const int H = p.shape.hidden, kb_per_row = H / kMxBlock;
+  for (int t = blockIdx.x, i = 0; t < p.tokens; t += gridDim.x, ++i) {
     const __nv_bfloat16 *row = p.x + t * p.x_ld;
-    const int ref_exp = act_reference_exponent(row_amax_bf16(row, H), false);
-    if (kb == 0) p.x_mult[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
-    if (kb < kb_per_row) {
+    uint32_t m = 0; /* |x| bits order like |x|; NaN above all */
+    for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
+      float v[kMxBlock];
+      load_bf16x32(row + kb * kMxBlock, v);
+#pragma unroll
+      for (int k = 0; k < kMxBlock; ++k) m = max(m, __float_as_uint(v[k]) & 0x7FFFFFFFu);
+    }
+    if (m != 0) atomicMax(&row_amax[i], m);
+    named_barrier(kConsumerBarrier, kConsumerThreads);
+    const int ref_exp = act_reference_exponent(__uint_as_float(row_amax[i]), false);
+    if (threadIdx.x == 0) p.x_mult[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+    for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
       float v[kMxBlock];
       load_bf16x32(row + kb * kMxBlock, v);
       quantize_store(v, false, ref_exp, p.xq + ((int64_t)t * H + kb * kMxBlock) * 2);
@@ -924,7 +913,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     fence_barrier_init();
   }
   const int route_tid = threadIdx.x - kConsumerThreads;
+  unsigned int *x_amax = reinterpret_cast<unsigned int *>(smem + L.x_amax);
   if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
+  else if (threadIdx.x < kMaxLaunchTokens) x_amax[threadIdx.x] = 0;
   __syncthreads();
   /* the next launch's CTAs may take the SMs of ours that finish early and run their part 0
    * there; they wait for all of ours to finish before reading anything */
@@ -936,7 +927,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then
    *    overlaps the routing instead of following it) */
   if (warp < kConsumerWarps) {
-    quantize_x(p);
+    quantize_x(p, x_amax);
     if (threadIdx.x == 0) {
       *call_slot = call;
       p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
