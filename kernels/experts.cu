@@ -60,8 +60,8 @@ namespace {
  * 5 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
- * latencies better (-4.5 % at B = 8; 80 registers; since v17 ptxas spills a few words,
- * 28 bytes on v23, one of them reloaded once per tile). Their partial sums then take
+ * latencies better (-4.5 % at B = 8; 80 registers, no spills since v24, which loads the
+ * finisher's row max |h| with its h). Their partial sums then take
  * twice the reduction work, and a fifth epilogue warp gives back what the MMA
  * warps waited for a free slot (-3.4 % at B = 64). One activation producer's per-chunk
  * latency (a unit's rows, one bulk copy per row issued lane after lane) was on the
