@@ -707,12 +707,12 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
   if (lane == 0) {
-    fence_acq_rel_gpu(); /* release this tile's h */
+    __threadfence(); /* release this tile's h */
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
   }
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
-  fence_acq_rel_gpu(); /* acquire the other tiles' h */
+  __threadfence(); /* acquire the other tiles' h */
 
   /* every FC1 tile of the unit is in, so its rows' max |h| are final: each lane loads its
    * block's row's with its h (plain loads, one round trip for both) */
@@ -744,7 +744,10 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     p.sync->h_amax[unit.row0 + lane] = 0;
   }
   __syncwarp();
-  if (lane == 0) store_release(&p.sync->unit_ready[ref.unit], call); /* a release: the warp's stores above go with it */
+  if (lane == 0) {
+    __threadfence();
+    store_release(&p.sync->unit_ready[ref.unit], call);
+  }
 }
 
 /* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
@@ -784,12 +787,12 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
     int *count = &p.combine_count[t * tiles_per_row + tile];
-    fence_acq_rel_gpu();
+    __threadfence();
     if (atomicAdd(count, 1) == r.token_experts[t] - 1) {
       *count = 0; /* every arrival is in: the counter is ours to reset */
       last_token = t;
     }
-    fence_acq_rel_gpu();
+    __threadfence();
   }
   for (int i = 0; i < unit.count; ++i) {
     const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
@@ -878,7 +881,7 @@ __device__ void quantize_x(const Params &p, unsigned int *row_amax) {
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
+    __threadfence();
     atomicAdd(&p.sync->xq_ready, 1);
   }
 }
