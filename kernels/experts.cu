@@ -61,9 +61,9 @@ namespace {
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
  * latencies better (-4.5 % at B = 8; 80 registers, no spills since v24, which loads the
- * finisher's row max |h| with its h). Their partial sums then take
- * twice the reduction work, and a fifth epilogue warp gives back what the MMA
- * warps waited for a free slot (-3.4 % at B = 64). One activation producer's per-chunk
+ * finisher's row max |h| with its h). Their partial sums then take twice the reduction
+ * work, and a fifth epilogue warp gives back what the MMA warps waited for a free slot
+ * (-3.4 % at B = 64). One activation producer's per-chunk
  * latency (a unit's rows, one bulk copy per row issued lane after lane) was on the
  * critical path: 200 idle cycles per chunk cost 17 % at B = 8; a second one, taking
  * every other tile, gave -9 % at B = 8 and -12 % at B = 64 (a third, with one epilogue
