@@ -445,13 +445,19 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       }
       __syncwarp();
     }
-    /* every stage in ring order, the other warp's too: one that skipped them could run two
-     * laps ahead of the MMA warps and pass a wait on an aliased phase */
+    /* Every stage in ring order, the other warp's too, and arrive on the ones it does not
+     * fill: a parity wait is only right within one phase of the barrier. One that skipped
+     * stages could run two laps ahead of the MMA warps; one that waited without arriving
+     * could fall a phase behind them (they need only the owner's copy) and then wait for a
+     * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung. */
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], pos.parity ^ 1);
-      if (!mine) continue;
+      if (!mine) {
+        if (lane == 0) mbar_arrive(&full[s]);
+        continue;
+      }
       const int nkb = ph.chunk_k_blocks(c);
       if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
@@ -902,7 +908,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   /* 0. before the predecessor is done: nothing that reads its outputs */
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 2); /* the weights' and the activations' expect_tx */
+      /* the weights' expect_tx, the filling activation producer's expect_tx and the other's arrive */
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + kActivationWarps);
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.empty) + s, kConsumerThreads);
     }
     for (int e = 0; e < kEpilogueWarps; ++e) {

@@ -153,6 +153,39 @@ def test_small_shapes_gpu(kx, shape):
         check_close(z, ref.combine_rows(want, rw), what + " combined")
 
 
+def test_one_stage_tiles_many_launches(kx):
+    """The shape whose every tile is one ring stage (H = 64, I = 32) with the most units
+    (E = 4096; B = 300 is five launches of 64 tokens): the MMA warps run through stages
+    fastest there, which once let an activation producer fall a barrier phase behind and
+    hang the launch (the C harness hung at its launch 14, 18, 31 and 174 on four tries).
+    200 row runs and 200 combined runs (2000 launches) must finish, and the last of each
+    equal the first bit for bit."""
+    shape = SMALL_SHAPES[-1]
+    assert shape["E"] == 4096 and shape["H"] == 64 and shape["I"] == 32, shape
+    layer = Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
+    B = 300
+    seed = seed_of("one-stage-tiles")
+    x, ids, rw = _inputs(layer, B, seed)
+    scratch = kx.scratch(layer.moe)
+    firsts = {}
+    for combine in (False, True):
+        what = f"{layer.describe()} B={B} seed={seed} combine={combine}"
+        out = layer.new_out(B, combine, DEV)
+        layer.moe.prepare(B, scratch, out, combine=combine)
+        args = (x, ids, rw) if combine else (x, ids)
+        layer.moe.run(*args)
+        sync_or_die(what)
+        firsts[combine] = out.clone()
+        for _ in range(200):
+            poison_(out)
+            layer.moe.run(*args)
+        sync_or_die(what + ": 200 runs", seconds=60)
+        assert bitwise_equal(out, firsts[combine]), f"{what}: the 200th run differs from the first"
+    what = f"{layer.describe()} B={B} seed={seed}"
+    check_close(firsts[False], layer.reference(x, ids), what + " rows")
+    check_combined_matches_rows(firsts[True], firsts[False], rw, what + " combined")
+
+
 def test_gpu_matches_cpu_backend(kx, gpu_layers, weights_for):
     """GPU and CPU backends agree to the MoE tolerance on the same inputs."""
     layer = gpu_layers["tp16"]
