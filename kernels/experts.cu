@@ -290,7 +290,7 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
   uint32_t q[kMxBlock / 4];
   const int e = (int)quantize_block32(v, floor_mode, q) - kE8m0Bias;
   const int rel_exp = e - ref_exp; /* <= 7; far below the reference the values round to 0 */
-  const float rel = exp2_exact(rel_exp < -kE8m0Bias ? -kE8m0Bias : (rel_exp > kE8m0Bias ? kE8m0Bias : rel_exp));
+  const float rel = exp2_exact(clamp_e8m0_exponent(rel_exp));
   uint4 *d = reinterpret_cast<uint4 *>(dst);
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -746,7 +746,7 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   __syncwarp(); /* every lane has read the rows' max |h| */
   /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */
   if (lane < unit.count) {
-    p.h_mult[unit.row0 + lane] = exp2_exact(act_reference_exponent(my_amax, p.hidden_floor) + kFp4AsF16GainLog2);
+    p.h_mult[unit.row0 + lane] = row_multiplier(act_reference_exponent(my_amax, p.hidden_floor));
     p.sync->h_amax[unit.row0 + lane] = 0;
   }
   __syncwarp();
@@ -878,7 +878,7 @@ __device__ void quantize_x(const Params &p, unsigned int *row_amax) {
     if (m != 0) atomicMax(&row_amax[i], m);
     named_barrier(kConsumerBarrier, kConsumerThreads);
     const int ref_exp = act_reference_exponent(__uint_as_float(row_amax[i]), false);
-    if (threadIdx.x == 0) p.x_mult[t] = exp2_exact(ref_exp + kFp4AsF16GainLog2);
+    if (threadIdx.x == 0) p.x_mult[t] = row_multiplier(ref_exp);
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
       float v[kMxBlock];
       load_bf16x32(row + kb * kMxBlock, v);

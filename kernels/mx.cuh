@@ -37,6 +37,11 @@ constexpr int kFp4AsF16GainLog2 = 14; /* 2^14 undoes the placement in decode_fp4
  * part of; a 0 byte (2^-127, elements below 4e-38) reads as 0. */
 __device__ __forceinline__ float e8m0_to_float_nonzero(uint32_t s) { return __uint_as_float(s << 23); }
 
+/* e clamped to an E8M0 scale's range of exponents, [-127, 127]. */
+__device__ __forceinline__ int clamp_e8m0_exponent(int e) {
+  return e < -kE8m0Bias ? -kE8m0Bias : (e > kE8m0Bias ? kE8m0Bias : e);
+}
+
 /* 2^p for p in [-127, 127], exact. */
 __device__ __forceinline__ float exp2_exact(int p) {
   return p >= -126 ? __uint_as_float((uint32_t)(p + kE8m0Bias) << 23) : __uint_as_float(0x00400000u);
@@ -66,7 +71,7 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
   /* 448 = 1.75 * 2^8: amax = 2^k * (1 + f) fits 448 * 2^(k-8) iff f <= 0.75 */
   const uint32_t kFracOf1p75 = 0x600000u;
   int e = k - 8 + ((!floor_mode && frac > kFracOf1p75) ? 1 : 0);
-  return e < -kE8m0Bias ? -kE8m0Bias : (e > kE8m0Bias ? kE8m0Bias : e);
+  return clamp_e8m0_exponent(e);
 }
 
 /* An activation block reaches the MMAs as q * 2^(e - R): its e4m3 codes q times its
@@ -83,6 +88,9 @@ __device__ __forceinline__ int act_reference_exponent(float row_amax, bool floor
   if (!isfinite(row_amax)) return 0;
   return mxfp8_exponent(row_amax, floor_mode) - 7; /* <= 113 for finite fp32: 2^(R + 14) is finite */
 }
+
+/* A row's multiplier for its sums, 2^(R + 14) (above and decode_fp4x8). */
+__device__ __forceinline__ float row_multiplier(int ref_exp) { return exp2_exact(ref_exp + kFp4AsF16GainLog2); }
 
 /* Four e4m3 bytes (little end = first) of v[0..3] * mul, RNE, saturating. */
 __device__ __forceinline__ uint32_t e4m3x4(float v0, float v1, float v2, float v3, float mul) {
