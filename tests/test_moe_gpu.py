@@ -137,9 +137,14 @@ def test_skewed_routing(kx, gpu_layers, scratches, case):
     check_combined_matches_rows(z, rows, rw, what)
 
 
+def _small_layer(kx, shape):
+    """A small shape's layer on the GPU, its weights seeded by the shape's name."""
+    return Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
+
+
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
 def test_small_shapes_gpu(kx, shape):
-    layer = Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
+    layer = _small_layer(kx, shape)
     for B in (1, 5, 64, 300):
         seed = seed_of("gpu-small", shape["name"], B)
         x, ids, rw = _inputs(layer, B, seed)
@@ -162,7 +167,7 @@ def test_one_stage_tiles_many_launches(kx):
     equal the first bit for bit."""
     shape = SMALL_SHAPES[-1]
     assert shape["E"] == 4096 and shape["H"] == 64 and shape["I"] == 32, shape
-    layer = Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
+    layer = _small_layer(kx, shape)
     B = 300
     seed = seed_of("one-stage-tiles")
     x, ids, rw = _inputs(layer, B, seed)
