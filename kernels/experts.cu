@@ -713,12 +713,15 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
   if (lane == 0) {
-    __threadfence(); /* release this tile's h */
+    fence_acq_rel_gpu(); /* release this tile's h */
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
   }
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
-  __threadfence(); /* acquire the other tiles' h */
+  /* acquire the other tiles' h for every lane, though only lane 0's atomic saw the count:
+   * as fence.acq_rel (enough at the other hand-offs) the lanes read stale hidden rows in
+   * the race checks, so this one stays sequentially consistent */
+  __threadfence();
 
   /* every FC1 tile of the unit is in, so its rows' max |h| are final: each lane loads its
    * block's row's with its h (plain loads, one round trip for both) */
@@ -750,10 +753,7 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     p.sync->h_amax[unit.row0 + lane] = 0;
   }
   __syncwarp();
-  if (lane == 0) {
-    __threadfence();
-    store_release(&p.sync->unit_ready[ref.unit], call);
-  }
+  if (lane == 0) store_release(&p.sync->unit_ready[ref.unit], call); /* a release: no fence first */
 }
 
 /* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
@@ -793,12 +793,12 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
     int *count = &p.combine_count[t * tiles_per_row + tile];
-    __threadfence();
+    fence_acq_rel_gpu();
     if (atomicAdd(count, 1) == r.token_experts[t] - 1) {
       *count = 0; /* every arrival is in: the counter is ours to reset */
       last_token = t;
     }
-    __threadfence();
+    fence_acq_rel_gpu();
   }
   for (int i = 0; i < unit.count; ++i) {
     const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
@@ -887,7 +887,7 @@ __device__ void quantize_x(const Params &p, unsigned int *row_amax) {
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {
-    __threadfence();
+    fence_acq_rel_gpu();
     atomicAdd(&p.sync->xq_ready, 1);
   }
 }
