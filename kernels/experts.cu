@@ -90,7 +90,14 @@ constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 constexpr int kStageActOffset = kStageWeightBytes;
 constexpr int kStageBytes = kStageActOffset + kStageActBytes;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
+/* Launches of a few tokens keep x in every CTA's shared memory, where the MMA warps read
+ * it (local x): no grid-wide wait for x and no copies of it. A row holds all of x's
+ * f16 blocks, pitched like a stage's activation row. */
+constexpr int kLocalXMaxTokens = 1; /* at B = 2 local x was 5 % slower (session 14) */
+constexpr int kSmemBudget = 227 * 1024; /* sm_90's opt-in shared memory per block */
+KX_HOST_DEVICE constexpr int local_x_pitch(int hidden) { return act_row_bytes(hidden / kMxBlock); }
 constexpr int kConsumerBarrier = 1;
+constexpr int kRoutedBarrier = 3; /* the routing warps arrive, the MMA warps wait (2 is route.cuh's) */
 constexpr uint16_t kBf16Nan = 0x7FC0;
 static_assert(kThreads - kConsumerThreads == kRouteThreads, "the warps that are not MMA warps route");
 static_assert(kStageBytes % 128 == 0 && kActRowBytes % 16 == 0, "copy destinations stay aligned");
@@ -155,6 +162,7 @@ struct SmemLayout {
   int ring, full, empty, parked, freed, reduce, call, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals;
+  int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
   int bytes;
 };
 
@@ -167,7 +175,7 @@ constexpr int kReducePitch = kGroupTokens * kStripRows + 16;
 constexpr int kReduceFloats = kConsumerWarps * kReducePitch;
 static_assert(kReducePitch % 4 == 0 && kStripRows % 4 == 0, "reduced4 reads 16-byte aligned rows");
 
-KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
+KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   SmemLayout L;
   int at = 0;
   auto take = [&at](int bytes, int align) { at = (at + align - 1) / align * align; int o = at; at += bytes; return o; };
@@ -192,6 +200,11 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs) {
   L.expert_id = take(2 * pairs, 2);
   L.unit_expert = take(2 * max_units_for(pairs), 2);
   L.unit_group = take(max_units_for(pairs), 1);
+  /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
+  L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
+  const int x_at = (at + 127) / 128 * 128, fit = (kSmemBudget - x_at) / local_x_pitch(hidden);
+  L.x_local_rows = fit < 0 ? 0 : (fit > kLocalXMaxTokens ? kLocalXMaxTokens : fit);
+  L.x_local = take(L.x_local_rows * local_x_pitch(hidden), 128);
   L.bytes = (at + 127) / 128 * 128;
   return L;
 }
@@ -414,6 +427,7 @@ __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int t
  * x once, each unit's hidden rows before its first FC2 tile. Activation producer `which`
  * takes the CTA's tiles q with q % kActivationWarps == which, so one prepares and issues
  * its tile while the other's copies are in flight. */
+template <bool kLocalX>
 __device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                                     int which, unsigned long long call) {
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
@@ -433,7 +447,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       unit = unit_info(r, ref.unit);
       __syncwarp();
       if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
-      if (ref.fc1 && !x_ready) {
+      if (ref.fc1 && !x_ready && !kLocalX) {
         wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
         fence_proxy_async_global();
         x_ready = true;
@@ -459,7 +473,10 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         continue;
       }
       const int nkb = ph.chunk_k_blocks(c);
-      if (ref.fc1)
+      if (ref.fc1 && kLocalX) {
+        if (lane == 0) mbar_arrive(&full[s]); /* the MMA warps read x where it lies */
+        __syncwarp();
+      } else if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
                          rows, unit.count, nkb * kActBlockBytes);
       else
@@ -488,18 +505,19 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
   return nkb > k_slot ? (nkb - k_slot + (1 << step_log2) - 1) >> step_log2 : 0;
 }
 
-/* One warp's kUnits units of the stage at shared address `stage`: every shared-memory
+/* One warp's kUnits units of the stage at shared address `stage` (its activations from
+ * act_base: the stage, or local x's chunk): every shared-memory
  * load first (unit by unit), then the stage is released, then decode + MMA with no
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). */
 template <int kUnits, int kStep, bool kPartial = false>
-__device__ __forceinline__ void consume_units(uint32_t stage, const UnitOffsets &o, uint64_t *empty,
+__device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4], int units = kUnits) {
   if constexpr (kUnits == 0) {
     mbar_arrive(empty);
   } else {
-    const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = stage + o.act;
+    const uint32_t weights = stage + o.weights, scales = stage + o.scales, act = act_base + o.act;
     uint2 w[kUnits];
     uint4 b[kUnits];
     uint32_t sw[kUnits];
@@ -547,9 +565,12 @@ struct ConsumerPlan {
   int k_step, units, full_chunks, last_units;
   bool short_last;
   UnitOffsets full, last;
+  uint32_t x_local, chunk_act_bytes; /* local x: its shared address, and how far a chunk's blocks move it */
 };
 
-__device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool fc1) {
+template <bool kLocalX>
+__device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *smem, bool fc1) {
+  const PhaseShape &ph = fc1 ? p.fc1 : p.fc2;
   const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
   const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
   const int last_kb = ph.chunk_k_blocks(ph.chunks() - 1);
@@ -562,6 +583,14 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const PhaseShape &ph, bool
   const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
   cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
   cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
+  if (kLocalX && fc1) {
+    /* B row g is launch token g (rows past the launch's read token 0's, and their columns
+     * are never read): the MMA columns are the launch's tokens, whatever the unit */
+    const int lane = threadIdx.x & 31, g = lane >> 2, row = g < p.tokens ? g : 0;
+    cp.full.act = cp.last.act = row * local_x_pitch(p.shape.hidden) + k_slot * kActBlockBytes + 16 * (lane & 3);
+  }
+  cp.x_local = smem_addr(smem + p.smem.x_local);
+  cp.chunk_act_bytes = ph.chunk_kb * kActBlockBytes;
   return cp;
 }
 
@@ -590,43 +619,52 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
-template <int kUnits, int kStep>
+template <int kUnits, int kStep, bool kLocalX>
 __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                     int index, int end, ConsumerRing &ring) {
   for (; index < end; index += gridDim.x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages)) {
+    uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
+    for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
+      const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep>(ring.stages + ring.pos.stage * kStageBytes, cp.full, &ring.empty[ring.pos.stage],
-                                   acc);
+      consume_units<kUnits, kStep>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
+      const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, true>(ring.stages + ring.pos.stage * kStageBytes, cp.last,
-                                         &ring.empty[ring.pos.stage], acc, cp.last_units);
+      consume_units<kUnits, kStep, true>(stage, kLocalX ? x_chunk : stage, cp.last, &ring.empty[ring.pos.stage],
+                                         acc, cp.last_units);
       ring.pos.advance(kStages);
     }
     hand_off(p, smem, ring, acc);
   }
 }
 
-template <int kStep>
+template <int kStep, bool kLocalX = false>
 __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                        int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep>(p, smem, cp, index, end, ring); break;
-    case 3: consume_phase_tiles<3, kStep>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_tiles<2, kStep>(p, smem, cp, index, end, ring); break;
-    case 1: consume_phase_tiles<1, kStep>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_tiles<0, kStep>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_tiles<4, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
+    case 3: consume_phase_tiles<3, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_tiles<2, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
+    case 1: consume_phase_tiles<1, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_tiles<0, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
   }
 }
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
- * below `end`; the dispatch on the warp's plan happens once here. */
+ * below `end`; the dispatch on the warp's plan happens once here. FC1 has 2 strips, so
+ * its k-step is always 8, local x or not. */
+template <bool kLocalX>
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
                                               ConsumerRing &ring) {
-  const ConsumerPlan cp = consumer_plan(fc1 ? p.fc1 : p.fc2, fc1);
+  static_assert(kFc1Strips == 2 && kConsumerWarps == 16, "FC1's k-step is 8");
+  const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1);
+  if (kLocalX && fc1) {
+    consume_phase_by_units<8, true>(p, smem, cp, index, end, ring);
+    return;
+  }
   switch (cp.k_step) {
     case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring); break;
     case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring); break;
@@ -660,7 +698,8 @@ __device__ __forceinline__ void reduced4(const float *reduce, int strips, int st
 
 /* What an epilogue warp needs of its tile's tokens, fetched while the MMA warps still work
  * on the tile, so the slot is held only for the sums. Lane i < count: token i, its row
- * multiplier 2^(R + 14) (mx.cuh; x's are in once x is, a unit's hidden rows' with them),
+ * multiplier 2^(R + 14) (mx.cuh; x's are in once x is, local x's once the sums are, a
+ * unit's hidden rows' with them),
  * and for FC2's per-slot rows the slots that routed it here (a mask over the K slots), so
  * the column loop shuffles them instead of scanning all K slots per 4 columns. */
 struct TileTokens {
@@ -669,6 +708,7 @@ struct TileTokens {
   uint32_t slots;
 };
 
+template <bool kLocalX>
 __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing &r, const Unit &unit,
                                                   const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k;
@@ -676,6 +716,7 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
   if (lane >= unit.count) return tt;
   tt.token = nth_set_bit(unit.mask, unit.first_rank + lane);
   if (ref.fc1) {
+    if (kLocalX) return tt; /* its multiplier comes once the sums are parked (run_epilogues) */
     wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
     tt.mult = __ldcg(&p.x_mult[tt.token]);
   } else {
@@ -688,6 +729,7 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
 }
 
 /* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile). */
+template <bool kLocalX>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt) {
   const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kStripRows;
@@ -695,10 +737,12 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, row = o % kStripRows, token = (o < items ? o : items - 1) / kStripRows;
     const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
+    const int launch_token = __shfl_sync(0xFFFFFFFFu, tt.token, token);
+    const int col = kLocalX ? launch_token : token; /* local x: the MMA columns are the launch's tokens */
     float h = 0.0f;
     if (o < items) {
-      const float gate = reduced(reduce, kFc1Strips, 0, row, token, mult);
-      const float up = reduced(reduce, kFc1Strips, 1, row, token, mult);
+      const float gate = reduced(reduce, kFc1Strips, 0, row, col, mult);
+      const float up = reduced(reduce, kFc1Strips, 1, row, col, mult);
       h = situ(gate, up, p.beta, p.linear_beta);
       p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = h;
     }
@@ -818,20 +862,24 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
 }
 
 /* Epilogue warp e takes this CTA's tiles e, e + kEpilogueWarps, ... */
+template <bool kLocalX>
 __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                               unsigned long long call) {
   const int e = (threadIdx.x >> 5) - kFirstEpilogueWarp, lane = threadIdx.x & 31;
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
+  const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
   for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, slot.advance(kEpilogueWarps)) {
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
-    const TileTokens tt = tile_tokens(p, r, unit, ref, call);
+    TileTokens tt = tile_tokens<kLocalX>(p, r, unit, ref, call);
     mbar_wait(&parked[e], slot.parity);
-    if (ref.fc1) store_fc1_sums(p, reduce, unit, ref, tt);
+    /* local x's multipliers: the MMA warps wrote them before they parked anything */
+    if (kLocalX && ref.fc1 && lane < unit.count) tt.mult = local_x_mult[tt.token];
+    if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt);
     else store_fc2_sums(p, reduce, unit, ref, tt);
     __syncwarp();
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
@@ -864,9 +912,12 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
  * exponent (mx.cuh), reloading them from L1. One L2 round trip per row, as with a block
  * per thread over the grid (v22b); a warp per 32 blocks that read its whole row for the
  * reference (v23) took four. */
-__device__ void quantize_x(const Params &p, unsigned int *row_amax) {
+template <bool kLocalX>
+__device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_amax) {
   const int H = p.shape.hidden, kb_per_row = H / kMxBlock;
-  for (int t = blockIdx.x, i = 0; t < p.tokens; t += gridDim.x, ++i) {
+  /* local x: every CTA quantizes every row into its own shared memory */
+  float *local_mult = reinterpret_cast<float *>(smem + p.smem.x_local_mult);
+  for (int t = kLocalX ? 0 : blockIdx.x, i = 0; t < p.tokens; t += kLocalX ? 1 : gridDim.x, ++i) {
     const __nv_bfloat16 *row = p.x + t * p.x_ld;
     uint32_t m = 0; /* |x| bits order like |x|; NaN above all */
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
@@ -878,21 +929,39 @@ __device__ void quantize_x(const Params &p, unsigned int *row_amax) {
     if (m != 0) atomicMax(&row_amax[i], m);
     named_barrier(kConsumerBarrier, kConsumerThreads);
     const int ref_exp = act_reference_exponent(__uint_as_float(row_amax[i]), false);
-    if (threadIdx.x == 0) p.x_mult[t] = row_multiplier(ref_exp);
+    if (threadIdx.x == 0) (kLocalX ? local_mult : p.x_mult)[t] = row_multiplier(ref_exp);
+    uint8_t *dst = kLocalX ? smem + p.smem.x_local + t * local_x_pitch(H) : p.xq + (int64_t)t * H * 2;
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
       float v[kMxBlock];
       load_bf16x32(row + kb * kMxBlock, v);
-      quantize_store(v, false, ref_exp, p.xq + ((int64_t)t * H + kb * kMxBlock) * 2);
+      quantize_store(v, false, ref_exp, dst + kb * kActBlockBytes);
     }
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0) {
-    fence_acq_rel_gpu();
-    atomicAdd(&p.sync->xq_ready, 1);
+    if (!kLocalX) fence_acq_rel_gpu(); /* x's rows go to the other CTAs */
+    atomicAdd(&p.sync->xq_ready, 1); /* every call counts: call n's x is in at n * grid */
   }
 }
 
 /* ---- the kernel -------------------------------------------------------------------- */
+/* The routing group's tables for this launch (route.cuh); CTA 0 reports bad ids. */
+__device__ __forceinline__ void route_launch(const Params &p, const Routing &r, int route_tid) {
+  const bool reporter = blockIdx.x == 0;
+  const auto report_bad = [&](int pair, int id) {
+    if (!reporter) return;
+    const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
+    atomicMax(&p.sync->fault, ~key);
+  };
+  if (!one_warp_routes(p.tokens, p.shape.top_k))
+    route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
+  else if (route_tid < 32)
+    route_one_warp(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
+}
+
+/* kLocalX: a launch of at most smem.x_local_rows tokens, its x in every CTA's shared
+ * memory; the other launches run the kernel without any of that code. */
+template <bool kLocalX>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const SmemLayout &L = p.smem;
@@ -927,31 +996,40 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
    * there; they wait for all of ours to finish before reading anything */
   allow_dependents();
   wait_for_predecessor();
-  unsigned long long call = 0;
-  if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
 
-  /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then
-   *    overlaps the routing instead of following it) */
-  if (warp < kConsumerWarps) {
-    quantize_x(p, x_amax);
-    if (threadIdx.x == 0) {
-      *call_slot = call;
-      p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
+  /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then overlaps the
+   *    routing instead of following it). With local x the routing warps go on to stream
+   *    weights as soon as the tables are complete and only the MMA warps wait for both;
+   *    without it one CTA barrier joins them (a split one cost up to 4 % there, v30n). */
+  if constexpr (kLocalX) {
+    if (warp < kConsumerWarps) {
+      quantize_x<true>(p, smem, x_amax);
+      named_barrier(kRoutedBarrier, kThreads);
+    } else {
+      if (route_tid == 0) {
+        const unsigned long long call = p.sync->calls[blockIdx.x] + 1; /* the load overlaps the routing */
+        *call_slot = call;
+        p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
+      }
+      route_launch(p, r, route_tid);
+      route_sync();
+      named_barrier_arrive(kRoutedBarrier, kThreads);
     }
   } else {
-    const bool reporter = blockIdx.x == 0;
-    const auto report_bad = [&](int pair, int id) {
-      if (!reporter) return;
-      const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
-      atomicMax(&p.sync->fault, ~key);
-    };
-    if (!one_warp_routes(p.tokens, p.shape.top_k))
-      route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
-    else if (route_tid < 32)
-      route_one_warp(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
+    unsigned long long call = 0;
+    if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
+    if (warp < kConsumerWarps) {
+      quantize_x<false>(p, smem, x_amax);
+      if (threadIdx.x == 0) {
+        *call_slot = call;
+        p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
+      }
+    } else {
+      route_launch(p, r, route_tid);
+    }
+    __syncthreads();
   }
-  __syncthreads();
-  call = *call_slot;
+  const unsigned long long call = *call_slot;
   const int units = r.totals[1];
   const int fc1_tiles = units * p.fc1.tiles;
   const int total_tiles = fc1_tiles + units * p.fc2.tiles;
@@ -959,9 +1037,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   if (warp == kWeightWarp) {
     produce_weights(p, smem, r, total_tiles, fc1_tiles);
   } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
-    produce_activations(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
+    produce_activations<kLocalX>(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
   } else if (warp >= kFirstEpilogueWarp) {
-    run_epilogues(p, smem, r, total_tiles, fc1_tiles, call);
+    run_epilogues<kLocalX>(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
     /* 2. the rows no tile will write */
     write_nan_rows(p, r);
@@ -976,9 +1054,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
-      consume_phase(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring);
+      consume_phase<kLocalX>(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring);
   }
 }
+
+/* the kernel built without and with local x, indexed by whether a launch takes it */
+void (*const kExpertsKernels[2])(Params) = {experts_kernel<false>, experts_kernel<true>};
 
 int launch_tokens_for(const kx_moe_shape &s) {
   const int by_pairs = kMaxPairs / s.top_k;
@@ -999,24 +1080,26 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   *config = kx_moe_config{};
   if (!shape_ok(*shape)) return cudaErrorInvalidValue;
   const int tokens = launch_tokens_for(*shape);
-  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens));
+  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens), shape->hidden);
   int sms = 0, max_smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
   if (L.bytes > max_smem || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
-  /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
-   * layer configured later cannot break a larger one */
-  cudaFuncAttributes attrs;
-  err = cudaFuncGetAttributes(&attrs, experts_kernel);
-  if (err == cudaSuccess && attrs.maxDynamicSharedSizeBytes < L.bytes)
-    err = cudaFuncSetAttribute(experts_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
-  if (err != cudaSuccess) return err;
-  /* the CTAs hand work to each other through counters: all must be resident at once */
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, experts_kernel, kThreads, L.bytes);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  for (int local = 0; local < 2; ++local) {
+    /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
+     * layer configured later cannot break a larger one */
+    cudaFuncAttributes attrs;
+    err = cudaFuncGetAttributes(&attrs, kExpertsKernels[local]);
+    if (err == cudaSuccess && attrs.maxDynamicSharedSizeBytes < L.bytes)
+      err = cudaFuncSetAttribute(kExpertsKernels[local], cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
+    if (err != cudaSuccess) return err;
+    /* the CTAs hand work to each other through counters: all must be resident at once */
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kExpertsKernels[local], kThreads, L.bytes);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  }
   config->grid = sms;
   config->smem_bytes = L.bytes;
   config->chunk_tokens = tokens;
@@ -1038,7 +1121,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   p.fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   const int pairs = launch_pairs(s, a->config.chunk_tokens);
-  p.smem = smem_layout(s.experts, pairs);
+  p.smem = smem_layout(s.experts, pairs, s.hidden);
   p.packed = (const uint8_t *)a->packed;
   p.out = (__nv_bfloat16 *)a->out;
   p.out_ld = a->out_row_stride;
@@ -1074,7 +1157,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
     p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
     p.ids = a->ids + tok0 * a->ids_row_stride;
     p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, experts_kernel, p);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[p.tokens <= p.smem.x_local_rows], p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -126,6 +126,12 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/* Arrives on a named barrier without waiting for it: the threads that bar.sync on it go
+ * once all have arrived, and see what the arriving threads wrote before. */
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 /* ---- programmatic dependent launch ---- */
 __device__ __forceinline__ void wait_for_predecessor() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
