@@ -202,10 +202,10 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.unit_group = take(max_units_for(pairs), 1);
   /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
   L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
-  const int x_at = (at + 127) / 128 * 128, fit = (kSmemBudget - x_at) / local_x_pitch(hidden);
+  const int x_at = (int)align128(at), fit = (kSmemBudget - x_at) / local_x_pitch(hidden);
   L.x_local_rows = fit < 0 ? 0 : (fit > kLocalXMaxTokens ? kLocalXMaxTokens : fit);
   L.x_local = take(L.x_local_rows * local_x_pitch(hidden), 128);
-  L.bytes = (at + 127) / 128 * 128;
+  L.bytes = (int)align128(at);
   return L;
 }
 
