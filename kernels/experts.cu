@@ -916,7 +916,7 @@ template <bool kLocalX>
 __device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_amax) {
   const int H = p.shape.hidden, kb_per_row = H / kMxBlock;
   /* local x: every CTA quantizes every row into its own shared memory */
-  float *local_mult = reinterpret_cast<float *>(smem + p.smem.x_local_mult);
+  float *mult = kLocalX ? reinterpret_cast<float *>(smem + p.smem.x_local_mult) : p.x_mult;
   for (int t = kLocalX ? 0 : blockIdx.x, i = 0; t < p.tokens; t += kLocalX ? 1 : gridDim.x, ++i) {
     const __nv_bfloat16 *row = p.x + t * p.x_ld;
     uint32_t m = 0; /* |x| bits order like |x|; NaN above all */
@@ -929,7 +929,7 @@ __device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_ama
     if (m != 0) atomicMax(&row_amax[i], m);
     named_barrier(kConsumerBarrier, kConsumerThreads);
     const int ref_exp = act_reference_exponent(__uint_as_float(row_amax[i]), false);
-    if (threadIdx.x == 0) (kLocalX ? local_mult : p.x_mult)[t] = row_multiplier(ref_exp);
+    if (threadIdx.x == 0) mult[t] = row_multiplier(ref_exp);
     uint8_t *dst = kLocalX ? smem + p.smem.x_local + t * local_x_pitch(H) : p.xq + (int64_t)t * H * 2;
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
       float v[kMxBlock];
