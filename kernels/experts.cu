@@ -959,6 +959,12 @@ __device__ __forceinline__ void route_launch(const Params &p, const Routing &r, 
     route_one_warp(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
 }
 
+/* Keeps this CTA's call number where its roles read it and where the next call counts from. */
+__device__ __forceinline__ void record_call(const Params &p, unsigned long long *call_slot, unsigned long long call) {
+  *call_slot = call;
+  p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
+}
+
 /* kLocalX: a launch of at most smem.x_local_rows tokens, its x in every CTA's shared
  * memory; the other launches run the kernel without any of that code. */
 template <bool kLocalX>
@@ -1006,11 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       quantize_x<true>(p, smem, x_amax);
       named_barrier(kRoutedBarrier, kThreads);
     } else {
-      if (route_tid == 0) {
-        const unsigned long long call = p.sync->calls[blockIdx.x] + 1; /* the load overlaps the routing */
-        *call_slot = call;
-        p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
-      }
+      if (route_tid == 0) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1); /* overlaps the routing */
       route_launch(p, r, route_tid);
       route_sync();
       named_barrier_arrive(kRoutedBarrier, kThreads);
@@ -1020,10 +1022,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
     if (warp < kConsumerWarps) {
       quantize_x<false>(p, smem, x_amax);
-      if (threadIdx.x == 0) {
-        *call_slot = call;
-        p.sync->calls[blockIdx.x] = call; /* read by the next call, after this one is done */
-      }
+      if (threadIdx.x == 0) record_call(p, call_slot, call);
     } else {
       route_launch(p, r, route_tid);
     }
