@@ -89,7 +89,7 @@ constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 /* a stage: weights, then activation rows */
 constexpr int kStageActOffset = kStageWeightBytes;
 constexpr int kStageBytes = kStageActOffset + kStageActBytes;
-constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64 or 128 output columns */
+constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 output columns */
 /* Launches of a few tokens keep x in every CTA's shared memory, where the MMA warps read
  * it (local x): no grid-wide wait for x and no copies of it. A row holds all of x's
  * f16 blocks, pitched like a stage's activation row. */
@@ -559,7 +559,7 @@ __device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[
 }
 
 /* What one MMA warp does in every tile of a phase, fixed once per phase: 16 warps over 2,
- * 4 or 8 strips (shifts, no divisions), the units of its full chunks and of a shorter
+ * 4, 8 or 16 strips (shifts, no divisions), the units of its full chunks and of a shorter
  * last chunk (chunks are cut equal, moe_layout.cuh, so most shapes have none). */
 struct ConsumerPlan {
   int k_step, units, full_chunks, last_units;
@@ -668,7 +668,8 @@ __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bo
   switch (cp.k_step) {
     case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring); break;
     case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_by_units<2>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_by_units<2>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_by_units<1>(p, smem, cp, index, end, ring); break;
   }
 }
 
@@ -805,7 +806,7 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
                                const TileTokens &tt) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
-   * 4 or 8), so the item loop splits its index by shifts */
+   * 4, 8 or 16), so the item loop splits its index by shifts */
   const int quads_log2 = __ffs(strips * kStripRows / 4) - 1, quads = 1 << quads_log2;
   const int items = unit.count * quads;
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */

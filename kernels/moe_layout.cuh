@@ -14,8 +14,8 @@
  * on an H200 one CTA per SM streams 2.2 TB/s in 4 KB copies, 4.3 in 8 KB, 4.65 in 16 KB.
  *
  *   FC1 tile: strip 0 = gate rows 16f.., strip 1 = up rows I+16f..  (SiTU needs both)
- *   FC2 tile: 4 strips = output rows 16*strips*f .., or 8 strips when 4 would make a
- *             tile under 32 KB and H % 128 == 0: HBM streams small tiles scattered over
+ *   FC2 tile: 4 strips = output rows 16*strips*f .., doubled to 8 or 16 while the tile
+ *             is under 32 KB and H allows: HBM streams small tiles scattered over
  *             many experts slower (H200, one CTA per SM: 2.9 TB/s in random 13 KB
  *             pieces, 4.2 in random 61 KB pieces, 4.3 sequential)
  * Every chunk shape carries at most 64 units, so the experts kernel's 16 MMA warps split
@@ -109,8 +109,12 @@ KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
 KX_HOST_DEVICE PhaseShape fc2_shape(int experts, int hidden, int inter) {
   PhaseShape p;
   p.k_blocks = inter / 32;
-  const bool small_tiles = 4 * p.k_blocks * kUnitBytes < kMinLargeTileBytes;
-  p.strips = (small_tiles && hidden % 128 == 0) ? 8 : 4;
+  /* the most strips (4, 8, 16: one per MMA warp at most) that H allows while a smaller
+   * tile stays under kMinLargeTileBytes */
+  p.strips = 4;
+  while (p.strips < 16 && p.strips * p.k_blocks * kUnitBytes < kMinLargeTileBytes &&
+         hidden % (2 * p.strips * kStripRows) == 0)
+    p.strips *= 2;
   p.tiles = hidden / (p.strips * kStripRows);
   finish_phase(&p, kUnitsPerChunk / p.strips);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
