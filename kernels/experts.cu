@@ -738,8 +738,8 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, row = o % kStripRows, token = (o < items ? o : items - 1) / kStripRows;
     const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
-    const int launch_token = __shfl_sync(0xFFFFFFFFu, tt.token, token);
-    const int col = kLocalX ? launch_token : token; /* local x: the MMA columns are the launch's tokens */
+    /* local x: the MMA columns are the launch's tokens */
+    const int col = kLocalX ? __shfl_sync(0xFFFFFFFFu, tt.token, token) : token;
     float h = 0.0f;
     if (o < items) {
       const float gate = reduced(reduce, kFc1Strips, 0, row, col, mult);
