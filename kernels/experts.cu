@@ -96,6 +96,10 @@ constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 out
 constexpr int kLocalXMaxTokens = 1; /* at B = 2 local x was 5 % slower (session 14) */
 constexpr int kSmemBudget = 227 * 1024; /* sm_90's opt-in shared memory per block */
 KX_HOST_DEVICE constexpr int local_x_pitch(int hidden) { return act_row_bytes(hidden / kMxBlock); }
+/* A shorter last chunk's uncounted units are loaded too (consume_units), up to a chunk past
+ * the last x row: at H = 4224 (132 k-blocks: 4 x 27 + 24) 64 bytes past the end of shared
+ * memory without this room. */
+constexpr int kLocalXOverread = kMaxChunkKb * kActBlockBytes;
 constexpr int kConsumerBarrier = 1;
 constexpr int kRoutedBarrier = 3; /* the routing warps arrive, the MMA warps wait (2 is route.cuh's) */
 constexpr uint16_t kBf16Nan = 0x7FC0;
@@ -202,9 +206,9 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.unit_group = take(max_units_for(pairs), 1);
   /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
   L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
-  const int x_at = (int)align128(at), fit = (kSmemBudget - x_at) / local_x_pitch(hidden);
+  const int x_at = (int)align128(at), fit = (kSmemBudget - x_at - kLocalXOverread) / local_x_pitch(hidden);
   L.x_local_rows = fit < 0 ? 0 : (fit > kLocalXMaxTokens ? kLocalXMaxTokens : fit);
-  L.x_local = take(L.x_local_rows * local_x_pitch(hidden), 128);
+  L.x_local = take(L.x_local_rows * local_x_pitch(hidden) + (L.x_local_rows ? kLocalXOverread : 0), 128);
   L.bytes = (int)align128(at);
   return L;
 }
