@@ -33,7 +33,7 @@
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
  *      and releases it;
- *   4. FC2 tile = 64 or 128 output rows of one unit; an activation producer waits for
+ *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
  *      the unit's hidden rows (the weights are already on their way); bf16 results
  *      go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
