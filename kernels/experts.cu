@@ -96,8 +96,9 @@ constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 out
 constexpr int kLocalXMaxTokens = 1; /* at B = 2 local x was 5 % slower (session 14) */
 constexpr int kSmemBudget = 227 * 1024; /* sm_90's opt-in shared memory per block */
 KX_HOST_DEVICE constexpr int local_x_pitch(int hidden) { return act_row_bytes(hidden / kMxBlock); }
-/* A shorter last chunk's uncounted units are loaded too (consume_units): room for up to a
- * chunk of them past the last x row. */
+/* A shorter last chunk's uncounted units are loaded too (consume_units), up to a chunk past
+ * the last x row: at H = 4224 (132 k-blocks: 4 x 27 + 24) 64 bytes past the end of shared
+ * memory without this room. */
 constexpr int kLocalXOverread = kMaxChunkKb * kActBlockBytes;
 constexpr int kConsumerBarrier = 1;
 constexpr int kRoutedBarrier = 3; /* the routing warps arrive, the MMA warps wait (2 is route.cuh's) */

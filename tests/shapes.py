@@ -54,6 +54,9 @@ SMALL_SHAPES = [
     # K not a multiple of the GPU's chunk in either GEMM (68 = 23 + 23 + 22 and 9 = 5 + 4
     # k-blocks): the kernel's shorter last chunk
     dict(name="h2176-i288-e3-k2", H=2176, I=288, E=3, top_k=2, hidden_scale="floor"),
+    # a one-token launch keeps x in shared memory and FC1's last chunk is shorter (132 =
+    # 4 x 27 + 24 k-blocks): its uncounted loads ran 64 bytes past shared memory's end
+    dict(name="h4224-i32-e3-k2", H=4224, I=32, E=3, top_k=2, hidden_scale="rceil"),
     # the largest legal E with the most pairs per launch (B = 64 x 16): the GPU kernel's
     # shared-memory routing tables at their largest, next to its ring and reduce buffers
     dict(name="h64-i32-e4096-k16", H=64, I=32, E=4096, top_k=16, hidden_scale="floor"),
