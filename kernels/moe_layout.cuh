@@ -14,7 +14,7 @@
  * on an H200 one CTA per SM streams 2.2 TB/s in 4 KB copies, 4.3 in 8 KB, 4.65 in 16 KB.
  *
  *   FC1 tile: strips 2j, 2j+1 = gate rows 16(2f+j).., up rows I+16(2f+j).. (SiTU needs
- *             both), j = 0, 1: 16-k-block chunks of 17 KB, a quarter of the activation
+ *             both), j = 0, 1: 16-k-block chunks of 17 KB, half the activation
  *             bytes per weight byte of one pair's 28-block chunks, and half the tiles
  *             (-3 to -9 % at B >= 16, session 18)
  *   FC2 tile: 4 strips = output rows 16*strips*f .., doubled to 8 or 16 while the tile
