@@ -29,7 +29,7 @@
  *      warp when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA
  *      warps quantize their share of x to MXFP8 in scratch and a grid-wide counter says
  *      done (the activation producers wait for it before their first activation copy);
- *   3. FC1 tile = 16 gate + 16 up rows of one unit over all of H; the 16 warps split K,
+ *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
  *      and releases it;
@@ -658,15 +658,14 @@ __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t 
 }
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
- * below `end`; the dispatch on the warp's plan happens once here. FC1 has 2 strips, so
- * its k-step is always 8, local x or not. */
+ * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
+ * its k-step is always 4, local x or not. */
 template <bool kLocalX>
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
                                               ConsumerRing &ring) {
-  static_assert(kFc1Strips == 2 && kConsumerWarps == 16, "FC1's k-step is 8");
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1);
   if (kLocalX && fc1) {
-    consume_phase_by_units<8, true>(p, smem, cp, index, end, ring);
+    consume_phase_by_units<kConsumerWarps / kFc1Strips, true>(p, smem, cp, index, end, ring);
     return;
   }
   switch (cp.k_step) {
@@ -737,19 +736,20 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
 template <bool kLocalX>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt) {
-  const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kStripRows;
+  const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
-    const int o = base + lane, row = o % kStripRows, token = (o < items ? o : items - 1) / kStripRows;
+    const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
+    const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
     const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
     /* local x: the MMA columns are the launch's tokens */
     const int col = kLocalX ? __shfl_sync(0xFFFFFFFFu, tt.token, token) : token;
     float h = 0.0f;
     if (o < items) {
-      const float gate = reduced(reduce, kFc1Strips, 0, row, col, mult);
-      const float up = reduced(reduce, kFc1Strips, 1, row, col, mult);
+      const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, col, mult);
+      const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, col, mult);
       h = situ(gate, up, p.beta, p.linear_beta);
-      p.h[(int64_t)(unit.row0 + token) * I + ref.tile * kStripRows + row] = h;
+      p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
     }
     uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
     for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));

@@ -9,11 +9,14 @@
  * A "strip" is 16 rows; a "tile" is `strips` strips over all of K; a "chunk" is the
  * part of a tile one pipeline stage carries: chunk_kb k-blocks of every strip,
  * weights [strip][kb][256 B] then scales [strip][kb][16 B], one contiguous bulk copy.
- * A chunk carries at most 64 units (17 KB), and a tile's chunks are cut equal (112
- * k-blocks: 4 x 28, not 3 x 32 + 16): the copy engine's cost is per copy, and measured
+ * A chunk carries at most 64 units (17 KB), and a tile's chunks are cut equal (72
+ * k-blocks in 16s: 4 x 15 + 12, not 4 x 16 + 8): the copy engine's cost is per copy, and measured
  * on an H200 one CTA per SM streams 2.2 TB/s in 4 KB copies, 4.3 in 8 KB, 4.65 in 16 KB.
  *
- *   FC1 tile: strip 0 = gate rows 16f.., strip 1 = up rows I+16f..  (SiTU needs both)
+ *   FC1 tile: strips 2j, 2j+1 = gate rows 16(2f+j).., up rows I+16(2f+j).. (SiTU needs
+ *             both), j = 0, 1: 16-k-block chunks of 17 KB, half the activation
+ *             bytes per weight byte of one pair's 28-block chunks, and half the tiles
+ *             (-3 to -9 % at B >= 16, session 18)
  *   FC2 tile: 4 strips = output rows 16*strips*f .., doubled to 8 or 16 while the tile
  *             is under 32 KB and H allows: HBM streams small tiles scattered over
  *             many experts slower (H200, one CTA per SM: 2.9 TB/s in random 13 KB
@@ -40,8 +43,12 @@ constexpr int kUnitWeightBytes = kStripRows * 32 / 2; /* 256 */
 constexpr int kUnitScaleBytes = kStripRows;           /* 16 */
 constexpr int kUnitBytes = kUnitWeightBytes + kUnitScaleBytes;
 constexpr int kUnitsPerChunk = 64;
-constexpr int kFc1Strips = 2, kFc1ChunkKb = kUnitsPerChunk / kFc1Strips; /* 32 k-blocks */
-constexpr int kMaxChunkKb = kFc1ChunkKb;
+constexpr int kFc1Strips = 4, kFc1ChunkKb = kUnitsPerChunk / kFc1Strips; /* 16 k-blocks */
+constexpr int kFc1Pairs = kFc1Strips / 2; /* gate/up pairs per FC1 tile */
+/* Activation rows in a stage keep room for 32 k-blocks, though FC1's chunks span 16: the
+ * stage size v44 was measured with (34 KB); 26 KB stages were measured only together with
+ * another change (v43, session 18). */
+constexpr int kMaxChunkKb = 2 * kFc1ChunkKb;
 constexpr int kChunkMaxBytes = kUnitsPerChunk * kUnitBytes;
 constexpr int kMinLargeTileBytes = 32 * 1024;
 static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
@@ -98,7 +105,7 @@ KX_HOST_DEVICE PhaseShape fc1_shape(int experts, int hidden, int inter) {
   PhaseShape p;
   p.strips = kFc1Strips;
   p.k_blocks = hidden / 32;
-  p.tiles = inter / kStripRows;
+  p.tiles = inter / (kStripRows * kFc1Pairs);
   finish_phase(&p, kFc1ChunkKb);
   p.expert_bytes = (int64_t)p.tiles * p.tile_bytes();
   p.base = 0;
@@ -122,8 +129,11 @@ KX_HOST_DEVICE PhaseShape fc2_shape(int experts, int hidden, int inter) {
   return p;
 }
 
-/* Weight row (in the standard layout's matrix) of strip s of tile f. */
-KX_HOST_DEVICE int fc1_row(int inter, int f, int s) { return (s == 0 ? 0 : inter) + f * kStripRows; }
+/* Weight row (in the standard layout's matrix) of strip s of tile f. FC1: strips 2j, 2j + 1
+ * are the gate and up rows of hidden columns 16 (kFc1Pairs f + j).. */
+KX_HOST_DEVICE int fc1_row(int inter, int f, int s) {
+  return (s & 1 ? inter : 0) + (f * kFc1Pairs + (s >> 1)) * kStripRows;
+}
 KX_HOST_DEVICE int fc2_row(int strips, int f, int s) { return (f * strips + s) * kStripRows; }
 
 }  // namespace kx

@@ -23,7 +23,7 @@ __device__ uint32_t nibble(const uint8_t *row, int k) {
   return (k & 1) ? (b >> 4) : (b & 0xF);
 }
 
-/* fc1: strip 0 = gate, strip 1 = up; fc2: 4, 8 or 16 consecutive strips. */
+/* fc1: gate/up strip pairs (fc1_row); fc2: 4, 8 or 16 consecutive strips. */
 __global__ void pack_phase_kernel(PackSource src, PhaseShape phase, int experts, int inter,
                                   bool is_fc1, uint8_t *packed) {
   const int64_t units = (int64_t)experts * phase.tiles * phase.strips * phase.k_blocks;
