@@ -32,7 +32,8 @@
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
- *      and releases it;
+ *      and releases it (one-token launches: each tile quantizes its own block, and the
+ *      last one only releases the unit);
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
  *      the unit's hidden rows (the weights are already on their way); bf16 results
  *      go to every slot that routed the token there. Combined output: each (token,
@@ -115,6 +116,18 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
  * B = 64). A block row is laid out as a stage's activation row of that chunk. FC1's x rows
  * stay per token. */
 KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
+/* Block-scaled hidden rows: each FC1 tile (32 hidden columns: one MX block per token)
+ * quantizes its own block, and FC2's MMA loop applies the blocks' scales, so no hidden row
+ * waits for the unit's other tiles before its quantization. The E8M0 scale bytes of unit
+ * tokens 2i and 2i + 1 sit interleaved in the padding of block row 2i, from this offset
+ * (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads its two token
+ * columns' scales at once. */
+KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return (ph.chunk_kb * kActBlockBytes + 127) / 128 * 128; }
+static_assert(2 * (kUnitsPerChunk / 4) <= 64, "FC2 chunks' scales fit a block row's padding");
+/* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
+ * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
+ * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). */
+KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x; }
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
@@ -318,6 +331,22 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
   }
 }
 
+/* The same block spread over a warp, lane k holding element k: its codes as f16 (exact,
+ * unscaled) in quantize_store's fragment order at dst, its E8M0 scale byte at *scale.
+ * Codes and scale match quantize_block32's bit for bit. */
+__device__ __forceinline__ void quantize_store_lanes(float v, bool floor_mode, uint8_t *dst, uint8_t *scale) {
+  const int lane = threadIdx.x & 31;
+  uint32_t m = __float_as_uint(v) & 0x7FFFFFFFu; /* |v| bits order like |v|; Inf and NaN above all */
+  for (int d = 16; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+  const bool finite = m < 0x7F800000u;
+  const int e = finite ? mxfp8_exponent(__uint_as_float(m), floor_mode) : 0;
+  const uint32_t code = finite ? __nv_cvt_float_to_fp8(v * exp2_exact(-e), __NV_SATFINITE, __NV_E4M3) : 0x7Fu;
+  /* element k sits in lane quad (k % 8) / 2's 16 bytes, word k / 8, half k % 2 */
+  const int at = ((lane % 8) / 2) * 8 + (lane / 8) * 2 + lane % 2;
+  reinterpret_cast<uint16_t *>(dst)[at] = (uint16_t)e4m3x2_to_f16x2(code);
+  if (lane == 0) *scale = finite ? (uint8_t)(e + kE8m0Bias) : kE8m0Nan;
+}
+
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
  * after the other and the first unit's MMAs start while the rest are in flight; the
  * compiler would otherwise group them by type and the first MMA would wait for all. */
@@ -495,13 +524,16 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
  * sit row_bytes apart (per phase: FC1's per-token rows, FC2's unit blocks). */
 struct UnitOffsets {
   uint32_t weights, scales, act;
+  uint32_t act_scales; /* block-scaled hidden rows: token columns 2t, 2t + 1's scale bytes */
 };
 
-__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes) {
+__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes,
+                                                    int row_scales) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t)};
+                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t),
+                     (uint32_t)(kStageActOffset + 2 * t * row_bytes + row_scales + 2 * k_slot)};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
@@ -515,7 +547,7 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). */
-template <int kUnits, int kStep, bool kPartial = false>
+template <int kUnits, int kStep, bool kActScales, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4], int units = kUnits) {
   if constexpr (kUnits == 0) {
@@ -525,11 +557,13 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
     uint2 w[kUnits];
     uint4 b[kUnits];
     uint32_t sw[kUnits];
+    uint32_t sa[kUnits]; /* kActScales: the scale bytes of token columns 2t, 2t + 1 */
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       w[j] = lds64(weights + j * kStep * kUnitWeightBytes);
       b[j] = lds128(act + j * kStep * kActBlockBytes);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
+      if constexpr (kActScales) sa[j] = lds16(act_base + o.act_scales + j * kStep * 2);
     }
     /* every lane releases its own loads (an arrive is a release): no warp-wide sync or
      * divergent branch per stage, which cost ~6 of a stage's ~26 instructions of overhead */
@@ -544,6 +578,12 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       mma_f16(d, a_lo, b[j].x, b[j].y);
       mma_f16(d, a_hi, b[j].z, b[j].w);
       if (kPartial && j >= units) continue;
+      if constexpr (kActScales) { /* powers of two: the same bits as scales folded into the codes */
+        const float sa_t = exp2_exact((int)(sa[j] & 0xFF) - kE8m0Bias);
+        const float sa_t1 = exp2_exact((int)(sa[j] >> 8) - kE8m0Bias);
+        d[0] *= sa_t; d[2] *= sa_t;
+        d[1] *= sa_t1; d[3] *= sa_t1;
+      }
       acc[0] = fmaf(d[0], sw_g, acc[0]);
       acc[1] = fmaf(d[1], sw_g, acc[1]);
       acc[2] = fmaf(d[2], sw_g8, acc[2]);
@@ -584,9 +624,9 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   cp.short_last = last_kb < ph.chunk_kb;
   cp.full_chunks = cp.short_last ? ph.chunks() - 1 : ph.chunks();
   cp.last_units = units_in(last_kb, k_slot, step_log2);
-  const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
-  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
-  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
+  const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph), row_scales = fc1 ? 0 : block_row_scales(ph);
+  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes, row_scales);
+  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes, row_scales);
   if (kLocalX && fc1) {
     /* B row g is launch token g (rows past the launch's read token 0's, and their columns
      * are never read): the MMA columns are the launch's tokens, whatever the unit */
@@ -623,7 +663,7 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
-template <int kUnits, int kStep, bool kLocalX>
+template <int kUnits, int kStep, bool kLocalX, bool kActScales>
 __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                     int index, int end, ConsumerRing &ring) {
   for (; index < end; index += gridDim.x) {
@@ -632,47 +672,48 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage], acc);
+      consume_units<kUnits, kStep, kActScales>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
+                                               acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, true>(stage, kLocalX ? x_chunk : stage, cp.last, &ring.empty[ring.pos.stage],
-                                         acc, cp.last_units);
+      consume_units<kUnits, kStep, kActScales, true>(stage, kLocalX ? x_chunk : stage, cp.last,
+                                                     &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
     hand_off(p, smem, ring, acc);
   }
 }
 
-template <int kStep, bool kLocalX = false>
+template <int kStep, bool kLocalX, bool kActScales>
 __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                        int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
-    case 3: consume_phase_tiles<3, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_tiles<2, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
-    case 1: consume_phase_tiles<1, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_tiles<0, kStep, kLocalX>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_tiles<4, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
+    case 3: consume_phase_tiles<3, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_tiles<2, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
+    case 1: consume_phase_tiles<1, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_tiles<0, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
   }
 }
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
  * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
- * its k-step is always 4, local x or not. */
+ * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. */
 template <bool kLocalX>
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
                                               ConsumerRing &ring) {
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1);
-  if (kLocalX && fc1) {
-    consume_phase_by_units<kConsumerWarps / kFc1Strips, true>(p, smem, cp, index, end, ring);
+  constexpr bool kScales = block_scaled_hidden(kLocalX);
+  if (fc1) {
+    consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, cp, index, end, ring);
     return;
   }
   switch (cp.k_step) {
-    case 8: consume_phase_by_units<8>(p, smem, cp, index, end, ring); break;
-    case 4: consume_phase_by_units<4>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_by_units<2>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_by_units<1>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_by_units<4, false, kScales>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_by_units<2, false, kScales>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_by_units<1, false, kScales>(p, smem, cp, index, end, ring); break;
   }
 }
 
@@ -724,20 +765,28 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
     wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
     tt.mult = __ldcg(&p.x_mult[tt.token]);
   } else {
-    wait_equal(&p.sync->unit_ready[ref.unit], call);
-    tt.mult = __ldcg(&p.h_mult[unit.row0 + lane]);
+    if (block_scaled_hidden(kLocalX)) {
+      tt.mult = exp2_exact(kFp4AsF16GainLog2); /* the blocks' scales are in the sums */
+    } else {
+      wait_equal(&p.sync->unit_ready[ref.unit], call);
+      tt.mult = __ldcg(&p.h_mult[unit.row0 + lane]);
+    }
     if (!p.route_weights)
       for (int j = 0; j < K; ++j) tt.slots |= (uint32_t)(r.pair_expert[tt.token * K + j] == unit.expert) << j;
   }
   return tt;
 }
 
-/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile). */
+/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile);
+ * block-scaled, the tile's block of each token quantized here, a token per pass. */
 template <bool kLocalX>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt) {
+  constexpr bool kBlocks = block_scaled_hidden(kLocalX);
   const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
+  static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
+  const int in_chunk = ref.tile % p.fc2.chunk_kb, chunk = ref.tile / p.fc2.chunk_kb;
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
     const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
@@ -749,7 +798,15 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
       const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, col, mult);
       const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, col, mult);
       h = situ(gate, up, p.beta, p.linear_beta);
-      p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
+      if (!kBlocks) p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
+    }
+    if constexpr (kBlocks) {
+      const int64_t row_bytes = block_row_bytes(p.fc2);
+      uint8_t *block_row = p.hq + hidden_block_row(p, chunk, unit.row0 + token) * row_bytes;
+      uint8_t *pair_row = p.hq + hidden_block_row(p, chunk, unit.row0 + (token & ~1)) * row_bytes;
+      quantize_store_lanes(h, p.hidden_floor, block_row + in_chunk * kActBlockBytes,
+                           pair_row + block_row_scales(p.fc2) + 2 * in_chunk + (token & 1));
+      continue;
     }
     uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
     for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
@@ -757,7 +814,9 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it. */
+/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it
+ * (block-scaled: only releases it, every tile has quantized its own block). */
+template <bool kLocalX>
 __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
@@ -765,8 +824,12 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     fence_acq_rel_gpu(); /* release this tile's h */
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
+    if (block_scaled_hidden(kLocalX) && last) {
+      __threadfence(); /* the other tiles' blocks, as below */
+      store_release(&p.sync->unit_ready[ref.unit], call);
+    }
   }
-  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+  if (block_scaled_hidden(kLocalX) || !__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   /* acquire the other tiles' h for every lane, though only lane 0's atomic saw the count:
    * as fence.acq_rel (enough at the other hand-offs) the lanes read stale hidden rows in
    * the race checks, so this one stays sequentially consistent */
@@ -890,7 +953,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
-    if (ref.fc1) publish_fc1_tile(p, unit, ref, call);
+    if (ref.fc1) publish_fc1_tile<kLocalX>(p, unit, ref, call);
     else if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
   }
 }
