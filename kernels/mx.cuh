@@ -15,7 +15,9 @@
  * Activations travel as f16 values with their block scales folded in, relative to one
  * reference exponent per row (act_reference_exponent), so the MMA loop multiplies by the
  * weight scale alone; the sums are multiplied by 2^(R + 14) once per output (the 2^14
- * undoes the FP4 placement, 2^R the reference).
+ * undoes the FP4 placement, 2^R the reference). One-token launches' hidden rows are the
+ * exception: they keep their block scales, which FC2's loop applies (experts.cu,
+ * block_scaled_hidden).
  */
 #pragma once
 
