@@ -14,6 +14,7 @@ PyTorch is a benchmark dependency only; it is imported inside the functions that
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import statistics
@@ -34,6 +35,29 @@ def git_commit(repo: str = _REPO) -> str:
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+_SOURCE_DIRS = ("kernels", "csrc", "kimi_experts", "benchmarks")
+_SOURCE_SUFFIXES = (".c", ".h", ".cu", ".cuh", ".py")
+
+
+def source_digest(repo: str = _REPO) -> str:
+    """sha256 of the sources a run builds and runs: setup.py and the .c, .h, .cu, .cuh and .py
+    files under kernels/, csrc/, kimi_experts/ and benchmarks/, by path relative to the repo.
+    It depends on the files alone, so a result whose git metadata is stale (a tree copied onto
+    another machine) can be matched to its commit: compute this in a checkout of that commit."""
+    paths = [] if not os.path.isfile(os.path.join(repo, "setup.py")) else ["setup.py"]
+    for top in _SOURCE_DIRS:
+        for root, dirs, files in os.walk(os.path.join(repo, top)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+            paths += [os.path.relpath(os.path.join(root, f), repo).replace(os.sep, "/")
+                      for f in files if f.endswith(_SOURCE_SUFFIXES)]
+    digest = hashlib.sha256()
+    for rel in sorted(paths):
+        with open(os.path.join(repo, rel), "rb") as f:
+            data = f.read()
+        digest.update(rel.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
 
 
 def gpu_name() -> str:
@@ -123,10 +147,12 @@ def routed_ids(torch, generator, batch: int, top_k: int, experts: int):
 
 
 def write_json(path: str, rows: Sequence[Mapping], command: str | None = None, **meta) -> None:
-    """Write ``{"date", "git_commit", "command", "gpu", **meta, "rows"}`` to ``path``."""
+    """Write ``{"date", "git_commit", "source_digest", "command", "gpu", **meta, "rows"}`` to
+    ``path``."""
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         "command": command if command is not None else " ".join([sys.executable] + sys.argv),
     }
     try:
