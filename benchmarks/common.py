@@ -46,7 +46,7 @@ def source_digest(repo: str = _REPO) -> str:
     files under kernels/, csrc/, kimi_experts/ and benchmarks/, by path relative to the repo.
     It depends on the files alone, so a result whose git metadata is stale (a tree copied onto
     another machine) can be matched to its commit: compute this in a checkout of that commit."""
-    paths = [] if not os.path.isfile(os.path.join(repo, "setup.py")) else ["setup.py"]
+    paths = ["setup.py"] if os.path.isfile(os.path.join(repo, "setup.py")) else []
     for top in _SOURCE_DIRS:
         for root, dirs, files in os.walk(os.path.join(repo, top)):
             dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]

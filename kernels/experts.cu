@@ -82,8 +82,10 @@ constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
 /* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
- * bytes plus 64, so the 8 rows' 16-byte fragment loads hit all banks. */
-KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return (chunk_kb * kActBlockBytes + 127) / 128 * 128 + 64; }
+ * bytes plus 64 of padding, so the 8 rows' 16-byte fragment loads hit all banks. */
+constexpr int kActRowPad = 64;
+KX_HOST_DEVICE constexpr int act_row_values(int chunk_kb) { return (chunk_kb * kActBlockBytes + 127) / 128 * 128; }
+KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return act_row_values(chunk_kb) + kActRowPad; }
 constexpr int kActRowBytes = act_row_bytes(kMaxChunkKb); /* FC1's x rows: room for any chunk */
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
@@ -98,8 +100,8 @@ constexpr int kLocalXMaxTokens = 1; /* at B = 2 local x was 5 % slower (session 
 constexpr int kSmemBudget = 227 * 1024; /* sm_90's opt-in shared memory per block */
 KX_HOST_DEVICE constexpr int local_x_pitch(int hidden) { return act_row_bytes(hidden / kMxBlock); }
 /* A shorter last chunk's uncounted units are loaded too (consume_units), up to a chunk past
- * the last x row: at H = 4224 (132 k-blocks: 4 x 27 + 24) 64 bytes past the end of shared
- * memory without this room. */
+ * the last x row: at H = 4224 (132 k-blocks, then in 28-block chunks: 4 x 27 + 24) 64 bytes
+ * past the end of shared memory without this room. */
 constexpr int kLocalXOverread = kMaxChunkKb * kActBlockBytes;
 constexpr int kConsumerBarrier = 1;
 constexpr int kRoutedBarrier = 3; /* the routing warps arrive, the MMA warps wait (2 is route.cuh's) */
@@ -122,8 +124,8 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
  * tokens 2i and 2i + 1 sit interleaved in the padding of block row 2i, from this offset
  * (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads its two token
  * columns' scales at once. */
-KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return (ph.chunk_kb * kActBlockBytes + 127) / 128 * 128; }
-static_assert(2 * (kUnitsPerChunk / 4) <= 64, "FC2 chunks' scales fit a block row's padding");
+KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
+static_assert(2 * (kUnitsPerChunk / 4) <= kActRowPad, "FC2 chunks' scales fit a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
  * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
  * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). */
@@ -766,7 +768,7 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
     tt.mult = __ldcg(&p.x_mult[tt.token]);
   } else {
     if (block_scaled_hidden(kLocalX)) {
-      tt.mult = exp2_exact(kFp4AsF16GainLog2); /* the blocks' scales are in the sums */
+      tt.mult = row_multiplier(0); /* the blocks' scales are in the sums: no reference */
     } else {
       wait_equal(&p.sync->unit_ready[ref.unit], call);
       tt.mult = __ldcg(&p.h_mult[unit.row0 + lane]);

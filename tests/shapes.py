@@ -55,7 +55,8 @@ SMALL_SHAPES = [
     # k-blocks): the kernel's shorter last chunk
     dict(name="h2176-i288-e3-k2", H=2176, I=288, E=3, top_k=2, hidden_scale="floor"),
     # a one-token launch keeps x in shared memory and FC1's last chunk is shorter (132 =
-    # 4 x 27 + 24 k-blocks): its uncounted loads ran 64 bytes past shared memory's end
+    # 8 x 15 + 12 k-blocks; 4 x 27 + 24 in the 28-block chunks where its uncounted loads
+    # ran 64 bytes past shared memory's end)
     dict(name="h4224-i32-e3-k2", H=4224, I=32, E=3, top_k=2, hidden_scale="rceil"),
     # the largest legal E with the most pairs per launch (B = 64 x 16): the GPU kernel's
     # shared-memory routing tables at their largest, next to its ring and reduce buffers
