@@ -45,10 +45,10 @@ constexpr int kUnitBytes = kUnitWeightBytes + kUnitScaleBytes;
 constexpr int kUnitsPerChunk = 64;
 constexpr int kFc1Strips = 4, kFc1ChunkKb = kUnitsPerChunk / kFc1Strips; /* 16 k-blocks */
 constexpr int kFc1Pairs = kFc1Strips / 2; /* gate/up pairs per FC1 tile */
-/* Activation rows in a stage keep room for 32 k-blocks, though FC1's chunks span 16: the
- * stage size v44 was measured with (34 KB); 26 KB stages were measured only together with
- * another change (v43, session 18). */
-constexpr int kMaxChunkKb = 2 * kFc1ChunkKb;
+/* The most k-blocks a chunk spans (FC1's 16; FC2's 4, 8 or 16): a stage's activation rows
+ * hold that many (26 KB stages; 34 KB ones with room for 32 were no faster, session 19). */
+constexpr int kMaxChunkKb = kFc1ChunkKb;
+static_assert(kUnitsPerChunk / 4 <= kMaxChunkKb, "FC2's chunks (4 strips or more) fit a stage's rows too");
 constexpr int kChunkMaxBytes = kUnitsPerChunk * kUnitBytes;
 constexpr int kMinLargeTileBytes = 32 * 1024;
 static_assert(kUnitBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
