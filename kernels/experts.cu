@@ -1143,7 +1143,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       quantize_x<true>(p, smem, x_amax);
       named_barrier(kRoutedBarrier, kThreads);
     } else {
-      if (route_tid == 0) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1); /* overlaps the routing */
+      /* overlaps the routing: on a warp that one-warp routing leaves idle (on the router's
+       * lane 0 the routing waited for this load before it loaded the ids) */
+      if (route_tid == kRouteThreads - 32) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1);
       route_launch(p, r, route_tid);
       route_sync();
       named_barrier_arrive(kRoutedBarrier, kThreads);
