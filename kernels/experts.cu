@@ -32,10 +32,11 @@
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
- *      and releases it (one-token launches: each tile quantizes its own block, and the
- *      last one only releases the unit);
+ *      and releases it (one-token launches: each tile quantizes its own block and stores
+ *      it as tagged words, which need no release);
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
- *      the unit's hidden rows (the weights are already on their way); bf16 results
+ *      the unit's hidden rows, or polls the tagged words of each chunk's blocks (the
+ *      weights are already on their way); bf16 results
  *      go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
  *      slot order.
@@ -128,8 +129,23 @@ KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return act_row_value
 static_assert(2 * (kUnitsPerChunk / 4) <= kActRowPad, "FC2 chunks' scales fit a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
  * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
- * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). */
+ * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). There each block also travels as
+ * tagged words (below) instead of through hq and the unit's counter and flag. */
 KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x; }
+
+/* Tagged hand-off words: block kb of unit u's hidden row is 16 words at (u * I / 32 + kb) * 16,
+ * word w = e4m3 codes of elements 2w, 2w + 1 | the block's E8M0 scale << 16 | call << 24
+ * (the call number's low 40 bits). A 64-bit store is single-copy atomic, so a reader that
+ * sees its own call's tag in a word has that word's data: the FC1 epilogue only stores, with
+ * no fence, counter or flag, and FC2's activation producer polls the words themselves (at
+ * B = 1 the fence, atomic and release of the last tile, the flag's poll and the copy of hq
+ * were ~4 round trips through L2 between FC1's last MMA and FC2's first). Tags repeat only
+ * 2^40 calls apart. The words sit at the same offset for every shape (scratch_layout), so
+ * no other shape's data can ever be read there as a tag. */
+constexpr int kHandoffWordsPerBlock = kMxBlock / 2;
+constexpr int kHandoffTagShift = 24;
+constexpr int kHandoffBlocks = 4096; /* units (<= K) x I / 32 of a one-token launch: K x I <= 131072 */
+KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s) { return s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks; }
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
@@ -150,7 +166,7 @@ struct SyncWords {
 };
 
 struct ScratchLayout {
-  int64_t sync, combine_count, xq, x_mult, h, hq, h_mult, y, total;
+  int64_t sync, handoff, combine_count, xq, x_mult, h, hq, h_mult, y, total;
 };
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
@@ -165,6 +181,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   ScratchLayout L;
   int64_t at = 0;
   L.sync = at; at = align128(at + sizeof(SyncWords));
+  L.handoff = at; at = align128(at + 8 * (int64_t)kHandoffBlocks * kHandoffWordsPerBlock); /* every shape's */
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
   L.x_mult = at; at = align128(at + 4 * (int64_t)launch_tokens);
@@ -253,6 +270,7 @@ struct Params {
   uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *h_mult;   /* per hidden row: 2^(R + 14) */
+  unsigned long long *handoff; /* one-token launches' hidden blocks as tagged words */
   __nv_bfloat16 *y;
 };
 
@@ -333,20 +351,31 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
   }
 }
 
-/* The same block spread over a warp, lane k holding element k: its codes as f16 (exact,
- * unscaled) in quantize_store's fragment order at dst, its E8M0 scale byte at *scale.
- * Codes and scale match quantize_block32's bit for bit. */
-__device__ __forceinline__ void quantize_store_lanes(float v, bool floor_mode, uint8_t *dst, uint8_t *scale) {
-  const int lane = threadIdx.x & 31;
+/* The same block spread over a warp, lane k holding element k: returns its e4m3 code and
+ * sets *scale to the block's E8M0 byte, bit for bit quantize_block32's. */
+__device__ __forceinline__ uint32_t quantize_lanes(float v, bool floor_mode, uint32_t *scale) {
   uint32_t m = __float_as_uint(v) & 0x7FFFFFFFu; /* |v| bits order like |v|; Inf and NaN above all */
   for (int d = 16; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
   const bool finite = m < 0x7F800000u;
   const int e = finite ? mxfp8_exponent(__uint_as_float(m), floor_mode) : 0;
-  const uint32_t code = finite ? __nv_cvt_float_to_fp8(v * exp2_exact(-e), __NV_SATFINITE, __NV_E4M3) : 0x7Fu;
-  /* element k sits in lane quad (k % 8) / 2's 16 bytes, word k / 8, half k % 2 */
-  const int at = ((lane % 8) / 2) * 8 + (lane / 8) * 2 + lane % 2;
-  reinterpret_cast<uint16_t *>(dst)[at] = (uint16_t)e4m3x2_to_f16x2(code);
-  if (lane == 0) *scale = finite ? (uint8_t)(e + kE8m0Bias) : kE8m0Nan;
+  *scale = finite ? (uint32_t)(e + kE8m0Bias) : kE8m0Nan;
+  return finite ? __nv_cvt_float_to_fp8(v * exp2_exact(-e), __NV_SATFINITE, __NV_E4M3) : 0x7Fu;
+}
+
+/* Word w of a block of tagged hand-off words (kHandoffTagShift) lands in the stage as
+ * quantize_store's 32-bit word (w % 4) * 4 + w / 4 (elements 2w, 2w + 1 sit in lane quad
+ * w % 4's 16 bytes, word w / 4). */
+__device__ __forceinline__ int handoff_fragment_word(int w) { return (w % 4) * 4 + w / 4; }
+
+/* The warp's block (lane k: element k) quantized and stored as tagged words. */
+__device__ __forceinline__ void store_handoff_block(unsigned long long *words, float v, bool floor_mode,
+                                                    unsigned long long call) {
+  const int lane = threadIdx.x & 31;
+  uint32_t scale;
+  const uint32_t code = quantize_lanes(v, floor_mode, &scale);
+  const uint32_t next = __shfl_down_sync(0xFFFFFFFFu, code, 1);
+  if (!(lane & 1))
+    store_relaxed(words + lane / 2, call << kHandoffTagShift | scale << 16 | next << 8 | code);
 }
 
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
@@ -443,6 +472,40 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
   __syncwarp();
 }
 
+/* A one-token unit's hidden blocks for FC2 chunk c from their tagged words: polled until
+ * every word carries this call's tag, then widened to f16 in the stage (codes as
+ * quantize_store lays them out, the scales where block_row_scales says). */
+__device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
+                                                     unsigned long long call) {
+  constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
+  const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
+  const unsigned long long *src =
+      p.handoff + ((int64_t)unit * p.fc2.k_blocks + c * p.fc2.chunk_kb) * kHandoffWordsPerBlock;
+  const unsigned long long tag = call << kHandoffTagShift;
+  unsigned long long w[kPerLane];
+  bool mine;
+  do {
+    mine = true;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int j = lane + 32 * i;
+      if (j >= words) break;
+      w[i] = load_relaxed(src + j);
+      mine &= (w[i] & ~((1ull << kHandoffTagShift) - 1)) == tag;
+    }
+  } while (!__all_sync(0xFFFFFFFFu, mine));
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
+    if (j >= words) break;
+    reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
+        e4m3x2_to_f16x2((uint32_t)w[i] & 0xFFFFu);
+    if (wi == 0) st.act[block_row_scales(p.fc2) + 2 * kb] = (uint8_t)(w[i] >> 16);
+  }
+  __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
+  if (lane == 0) mbar_arrive(full);
+}
+
 /* Whether the units of this CTA's next 32 tiles have their hidden rows: one round trip
  * for 32 flags (a flag read costs about a microsecond, as long as an FC2 tile's copy). */
 __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int total_tiles, int fc1_tiles,
@@ -486,7 +549,8 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
         fence_proxy_async_global();
         x_ready = true;
-      } else if (!ref.fc1 && (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
+      } else if (!ref.fc1 && !block_scaled_hidden(kLocalX) &&
+                 (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
         q_known = q;
         known_ready = poll_units(p, index, total_tiles, fc1_tiles, call);
         if (!(known_ready & 1)) wait_equal(&p.sync->unit_ready[ref.unit], call);
@@ -514,6 +578,8 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       } else if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
                          rows, unit.count, nkb * kActBlockBytes);
+      else if (block_scaled_hidden(kLocalX))
+        gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
       else
         copy_hidden_block(p, st, &full[s], unit, c);
     }
@@ -780,15 +846,15 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
 }
 
 /* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile);
- * block-scaled, the tile's block of each token quantized here, a token per pass. */
+ * block-scaled (one token), the tile's block quantized here and handed to FC2 as tagged words. */
 template <bool kLocalX>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
-                               const TileTokens &tt) {
+                               const TileTokens &tt, unsigned long long call) {
   constexpr bool kBlocks = block_scaled_hidden(kLocalX);
   const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
-  const int in_chunk = ref.tile % p.fc2.chunk_kb, chunk = ref.tile / p.fc2.chunk_kb;
+  static_assert(!kBlocks || kLocalXMaxTokens == 1, "tagged blocks are one token's: one pass, lane k = column k");
   for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
     const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
     const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
@@ -803,11 +869,9 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
       if (!kBlocks) p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
     }
     if constexpr (kBlocks) {
-      const int64_t row_bytes = block_row_bytes(p.fc2);
-      uint8_t *block_row = p.hq + hidden_block_row(p, chunk, unit.row0 + token) * row_bytes;
-      uint8_t *pair_row = p.hq + hidden_block_row(p, chunk, unit.row0 + (token & ~1)) * row_bytes;
-      quantize_store_lanes(h, p.hidden_floor, block_row + in_chunk * kActBlockBytes,
-                           pair_row + block_row_scales(p.fc2) + 2 * in_chunk + (token & 1));
+      /* FC1 tile f's 32 hidden columns are FC2's k-block f */
+      store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h,
+                          p.hidden_floor, call);
       continue;
     }
     uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
@@ -816,9 +880,8 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it
- * (block-scaled: only releases it, every tile has quantized its own block). */
-template <bool kLocalX>
+/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it (not for
+ * block-scaled rows: their tiles hand their blocks over themselves). */
 __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
@@ -826,12 +889,8 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     fence_acq_rel_gpu(); /* release this tile's h */
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
-    if (block_scaled_hidden(kLocalX) && last) {
-      __threadfence(); /* the other tiles' blocks, as below */
-      store_release(&p.sync->unit_ready[ref.unit], call);
-    }
   }
-  if (block_scaled_hidden(kLocalX) || !__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
   /* acquire the other tiles' h for every lane, though only lane 0's atomic saw the count:
    * as fence.acq_rel (enough at the other hand-offs) the lanes read stale hidden rows in
    * the race checks, so this one stays sequentially consistent */
@@ -949,13 +1008,15 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     mbar_wait(&parked[e], slot.parity);
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
     if (kLocalX && ref.fc1 && lane < unit.count) tt.mult = local_x_mult[tt.token];
-    if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt);
+    if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt, call);
     else store_fc2_sums(p, reduce, unit, ref, tt);
     __syncwarp();
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
-    if (ref.fc1) publish_fc1_tile<kLocalX>(p, unit, ref, call);
+    if (ref.fc1) {
+      if (!block_scaled_hidden(kLocalX)) publish_fc1_tile(p, unit, ref, call);
+    }
     else if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
   }
 }
@@ -1082,7 +1143,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       quantize_x<true>(p, smem, x_amax);
       named_barrier(kRoutedBarrier, kThreads);
     } else {
-      if (route_tid == 0) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1); /* overlaps the routing */
+      /* overlaps the routing: on a warp that one-warp routing leaves idle (on the router's
+       * lane 0 the routing waited for this load before it loaded the ids) */
+      if (route_tid == kRouteThreads - 32) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1);
       route_launch(p, r, route_tid);
       route_sync();
       named_barrier_arrive(kRoutedBarrier, kThreads);
@@ -1204,6 +1267,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.h = (float *)(scratch + S.h);
   p.hq = scratch + S.hq;
   p.h_mult = (float *)(scratch + S.h_mult);
+  p.handoff = (unsigned long long *)(scratch + S.handoff);
   p.hidden_rows = pairs;
   p.y = (__nv_bfloat16 *)(scratch + S.y);
   p.rw_ld = a->weights_row_stride;
@@ -1226,7 +1290,8 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
     p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
     p.ids = a->ids + tok0 * a->ids_row_stride;
     p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[p.tokens <= p.smem.x_local_rows], p);
+    const bool local_x = p.tokens <= p.smem.x_local_rows && handoff_fits(s);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[local_x], p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
