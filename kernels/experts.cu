@@ -1014,10 +1014,11 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
-    if (ref.fc1) {
-      if (!block_scaled_hidden(kLocalX)) publish_fc1_tile(p, unit, ref, call);
+    if (!ref.fc1) {
+      if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
+    } else if (!block_scaled_hidden(kLocalX)) {
+      publish_fc1_tile(p, unit, ref, call);
     }
-    else if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
   }
 }
 
