@@ -58,6 +58,9 @@ SMALL_SHAPES = [
     # 8 x 15 + 12 k-blocks; 4 x 27 + 24 in the 28-block chunks where its uncounted loads
     # ran 64 bytes past shared memory's end)
     dict(name="h4224-i32-e3-k2", H=4224, I=32, E=3, top_k=2, hidden_scale="rceil"),
+    # K x I / 32 = 4128 hidden blocks, more than the GPU's tagged hand-off words hold (4096):
+    # its one-token launches take the general path, without local x
+    dict(name="h64-i4128-e3-k32", H=64, I=4128, E=3, top_k=32, hidden_scale="floor"),
     # the largest legal E with the most pairs per launch (B = 64 x 16): the GPU kernel's
     # shared-memory routing tables at their largest, next to its ring and reduce buffers
     dict(name="h64-i32-e4096-k16", H=64, I=32, E=4096, top_k=16, hidden_scale="floor"),
