@@ -121,10 +121,10 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
 KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
 /* Block-scaled hidden rows: each FC1 tile (32 hidden columns: one MX block per token)
  * quantizes its own block, and FC2's MMA loop applies the blocks' scales, so no hidden row
- * waits for the unit's other tiles before its quantization. The E8M0 scale bytes of unit
- * tokens 2i and 2i + 1 sit interleaved in the padding of block row 2i, from this offset
- * (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads its two token
- * columns' scales at once. */
+ * waits for the unit's other tiles before its quantization. In a stage, the E8M0 scale
+ * bytes of unit tokens 2i and 2i + 1 sit interleaved in the padding of activation row 2i,
+ * from this offset (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads
+ * its two token columns' scales at once (one-token launches fill token 0's). */
 KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
 static_assert(2 * (kUnitsPerChunk / 4) <= kActRowPad, "FC2 chunks' scales fit a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
