@@ -126,6 +126,11 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
  * from this offset (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads
  * its two token columns' scales at once (one-token launches fill token 0's). */
 KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
+/* Where block kb's scale byte of a unit's token lies, from a stage's first activation row
+ * (rows row_bytes apart, their scales from row_scales): the writer's and the MMA's view. */
+KX_HOST_DEVICE int act_scale_byte(int row_bytes, int row_scales, int kb, int token) {
+  return (token & ~1) * row_bytes + row_scales + 2 * kb + (token & 1);
+}
 static_assert(2 * (kUnitsPerChunk / 4) <= kActRowPad, "FC2 chunks' scales fit a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
  * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
@@ -500,7 +505,7 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
     if (j >= words) break;
     reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
         e4m3x2_to_f16x2((uint32_t)w[i] & 0xFFFFu);
-    if (wi == 0) st.act[block_row_scales(p.fc2) + 2 * kb] = (uint8_t)(w[i] >> 16);
+    if (wi == 0) st.act[act_scale_byte(block_row_bytes(p.fc2), block_row_scales(p.fc2), kb, 0)] = (uint8_t)(w[i] >> 16);
   }
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
   if (lane == 0) mbar_arrive(full);
@@ -601,7 +606,7 @@ __device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
                      (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t),
-                     (uint32_t)(kStageActOffset + 2 * t * row_bytes + row_scales + 2 * k_slot)};
+                     (uint32_t)(kStageActOffset + act_scale_byte(row_bytes, row_scales, k_slot, 2 * t))};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
