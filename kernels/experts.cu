@@ -1109,11 +1109,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   extern __shared__ __align__(128) uint8_t smem[];
   const SmemLayout &L = p.smem;
   const Routing r{reinterpret_cast<int16_t *>(smem + L.pair_expert), reinterpret_cast<uint32_t *>(smem + L.expert_slot),
-                  reinterpret_cast<unsigned long long *>(smem + L.token_mask), reinterpret_cast<uint16_t *>(smem + L.expert_id),
-                  reinterpret_cast<int *>(smem + L.expert_scan), reinterpret_cast<uint16_t *>(smem + L.unit_expert),
-                  smem + L.unit_group, reinterpret_cast<int *>(smem + L.token_experts),
-                  reinterpret_cast<int *>(smem + L.token_bad), reinterpret_cast<uint32_t *>(smem + L.chunk_mask),
-                  reinterpret_cast<int *>(smem + L.scan_tmp), reinterpret_cast<int *>(smem + L.totals)};
+                  reinterpret_cast<unsigned long long *>(smem + L.token_mask),
+                  reinterpret_cast<uint16_t *>(smem + L.expert_id), reinterpret_cast<int *>(smem + L.expert_scan),
+                  reinterpret_cast<uint16_t *>(smem + L.unit_expert), smem + L.unit_group,
+                  reinterpret_cast<int *>(smem + L.token_experts), reinterpret_cast<int *>(smem + L.token_bad),
+                  reinterpret_cast<uint32_t *>(smem + L.chunk_mask), reinterpret_cast<int *>(smem + L.scan_tmp),
+                  reinterpret_cast<int *>(smem + L.totals)};
   const int warp = threadIdx.x >> 5;
   unsigned long long *call_slot = reinterpret_cast<unsigned long long *>(smem + L.call);
 
