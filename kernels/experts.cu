@@ -120,18 +120,13 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
  * stay per token. */
 KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
 /* Block-scaled hidden rows: each FC1 tile (32 hidden columns: one MX block per token)
- * quantizes its own block, and FC2's MMA loop applies the blocks' scales, so no hidden row
- * waits for the unit's other tiles before its quantization. In a stage, the E8M0 scale
- * bytes of unit tokens 2i and 2i + 1 sit interleaved in the padding of activation row 2i,
- * from this offset (FC2 chunks span at most 16 k-blocks: 32 bytes), so an MMA lane loads
- * its two token columns' scales at once (one-token launches fill token 0's). */
-KX_HOST_DEVICE int block_row_scales(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
-/* Where block kb's scale byte of a unit's token lies, from a stage's first activation row
- * (rows row_bytes apart, their scales from row_scales): the writer's and the MMA's view. */
-KX_HOST_DEVICE int act_scale_byte(int row_bytes, int row_scales, int kb, int token) {
-  return (token & ~1) * row_bytes + row_scales + 2 * kb + (token & 1);
-}
-static_assert(2 * (kUnitsPerChunk / 4) <= kActRowPad, "FC2 chunks' scales fit a block row's padding");
+ * quantizes its own block, so no hidden row waits for the unit's other tiles before its
+ * quantization. FC2's activation producer folds a chunk's block scales into its f16 codes
+ * relative to the chunk's largest (as x's are to the row's, quantize_store) and leaves the
+ * chunk's multiplier, an fp32 power of two, at this offset in the padding of the stage's
+ * first activation row; the MMA warps apply it once per chunk, not per unit. */
+KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
+static_assert(kActRowPad >= 4, "a chunk's multiplier fits a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
  * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
  * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). There each block also travels as
@@ -398,6 +393,12 @@ __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ float lds32f(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -478,8 +479,10 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
 }
 
 /* A one-token unit's hidden blocks for FC2 chunk c from their tagged words: polled until
- * every word carries this call's tag, then widened to f16 in the stage (codes as
- * quantize_store lays them out, the scales where block_row_scales says). */
+ * every word carries this call's tag, then widened to f16 in the stage as quantize_store
+ * lays them out, each block's codes times 2^(its scale - ref), ref = the chunk's largest
+ * scale - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
+ * chunk_scale_offset. A NaN block's codes are NaN, so its sums stay NaN. */
 __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
                                                      unsigned long long call) {
   constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
@@ -499,14 +502,22 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
       mine &= (w[i] & ~((1ull << kHandoffTagShift) - 1)) == tag;
     }
   } while (!__all_sync(0xFFFFFFFFu, mine));
+  uint32_t top = 0;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (lane + 32 * i >= words) break;
+    top = max(top, (uint32_t)(w[i] >> 16) & 0xFFu);
+  }
+  const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - 7, 0); /* 448 x 2^7 fits f16 */
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
     if (j >= words) break;
+    const float rel = exp2_exact(clamp_e8m0_exponent((int)((w[i] >> 16) & 0xFFu) - ref));
     reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
-        e4m3x2_to_f16x2((uint32_t)w[i] & 0xFFFFu);
-    if (wi == 0) st.act[act_scale_byte(block_row_bytes(p.fc2), block_row_scales(p.fc2), kb, 0)] = (uint8_t)(w[i] >> 16);
+        scaled_f16x2((uint32_t)w[i] & 0xFFFFu, rel);
   }
+  if (lane == 0) *reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2)) = exp2_exact(ref - kE8m0Bias);
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
   if (lane == 0) mbar_arrive(full);
 }
@@ -597,16 +608,14 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
  * sit row_bytes apart (per phase: FC1's per-token rows, FC2's unit blocks). */
 struct UnitOffsets {
   uint32_t weights, scales, act;
-  uint32_t act_scales; /* block-scaled hidden rows: token columns 2t, 2t + 1's scale bytes */
+  uint32_t chunk_scale; /* block-scaled hidden rows: the chunk's multiplier */
 };
 
-__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes,
-                                                    int row_scales) {
+__device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t),
-                     (uint32_t)(kStageActOffset + act_scale_byte(row_bytes, row_scales, k_slot, 2 * t))};
+                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t), 0u};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
@@ -620,7 +629,7 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). */
-template <int kUnits, int kStep, bool kActScales, bool kPartial = false>
+template <int kUnits, int kStep, bool kChunkScale, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4], int units = kUnits) {
   if constexpr (kUnits == 0) {
@@ -630,14 +639,15 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
     uint2 w[kUnits];
     uint4 b[kUnits];
     uint32_t sw[kUnits];
-    uint32_t sa[kUnits]; /* kActScales: the scale bytes of token columns 2t, 2t + 1 */
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       w[j] = lds64(weights + j * kStep * kUnitWeightBytes);
       b[j] = lds128(act + j * kStep * kActBlockBytes);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
-      if constexpr (kActScales) sa[j] = lds16(act_base + o.act_scales + j * kStep * 2);
     }
+    const float chunk_scale = kChunkScale ? lds32f(act_base + o.chunk_scale) : 1.0f;
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* kChunkScale: this chunk's sums */
+    float (&sums)[4] = kChunkScale ? part : acc;
     /* every lane releases its own loads (an arrive is a release): no warp-wide sync or
      * divergent branch per stage, which cost ~6 of a stage's ~26 instructions of overhead */
     mbar_arrive(empty);
@@ -651,17 +661,13 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       mma_f16(d, a_lo, b[j].x, b[j].y);
       mma_f16(d, a_hi, b[j].z, b[j].w);
       if (kPartial && j >= units) continue;
-      if constexpr (kActScales) { /* powers of two: the same bits as scales folded into the codes */
-        const float sa_t = exp2_exact((int)(sa[j] & 0xFF) - kE8m0Bias);
-        const float sa_t1 = exp2_exact((int)(sa[j] >> 8) - kE8m0Bias);
-        d[0] *= sa_t; d[2] *= sa_t;
-        d[1] *= sa_t1; d[3] *= sa_t1;
-      }
-      acc[0] = fmaf(d[0], sw_g, acc[0]);
-      acc[1] = fmaf(d[1], sw_g, acc[1]);
-      acc[2] = fmaf(d[2], sw_g8, acc[2]);
-      acc[3] = fmaf(d[3], sw_g8, acc[3]);
+      sums[0] = fmaf(d[0], sw_g, sums[0]);
+      sums[1] = fmaf(d[1], sw_g, sums[1]);
+      sums[2] = fmaf(d[2], sw_g8, sums[2]);
+      sums[3] = fmaf(d[3], sw_g8, sums[3]);
     }
+    if constexpr (kChunkScale) /* a power of two: the same bits as the scales in the codes */
+      for (int i = 0; i < 4; ++i) acc[i] = fmaf(part[i], chunk_scale, acc[i]);
   }
 }
 
@@ -697,9 +703,10 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   cp.short_last = last_kb < ph.chunk_kb;
   cp.full_chunks = cp.short_last ? ph.chunks() - 1 : ph.chunks();
   cp.last_units = units_in(last_kb, k_slot, step_log2);
-  const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph), row_scales = fc1 ? 0 : block_row_scales(ph);
-  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes, row_scales);
-  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes, row_scales);
+  const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
+  cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
+  cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
+  cp.full.chunk_scale = cp.last.chunk_scale = kStageActOffset + (fc1 ? 0 : chunk_scale_offset(ph));
   if (kLocalX && fc1) {
     /* B row g is launch token g (rows past the launch's read token 0's, and their columns
      * are never read): the MMA columns are the launch's tokens, whatever the unit */
@@ -736,7 +743,7 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
-template <int kUnits, int kStep, bool kLocalX, bool kActScales>
+template <int kUnits, int kStep, bool kLocalX, bool kChunkScale>
 __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                     int index, int end, ConsumerRing &ring) {
   for (; index < end; index += gridDim.x) {
@@ -745,13 +752,13 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, kActScales>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
+      consume_units<kUnits, kStep, kChunkScale>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
                                                acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, kActScales, true>(stage, kLocalX ? x_chunk : stage, cp.last,
+      consume_units<kUnits, kStep, kChunkScale, true>(stage, kLocalX ? x_chunk : stage, cp.last,
                                                      &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
@@ -759,15 +766,15 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
   }
 }
 
-template <int kStep, bool kLocalX, bool kActScales>
+template <int kStep, bool kLocalX, bool kChunkScale>
 __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                        int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
-    case 3: consume_phase_tiles<3, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_tiles<2, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
-    case 1: consume_phase_tiles<1, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_tiles<0, kStep, kLocalX, kActScales>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
+    case 3: consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
+    case 2: consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
+    case 1: consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
+    default: consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
   }
 }
 
