@@ -629,7 +629,7 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). */
-template <int kUnits, int kStep, bool kChunkScale, bool kPartial = false>
+template <int kUnits, int kStep, bool kChunkScale, bool kOneToken, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4], int units = kUnits) {
   if constexpr (kUnits == 0) {
@@ -653,7 +653,9 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
     mbar_arrive(empty);
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
-      const float sw_g = e8m0_to_float_nonzero(sw[j] & 0xFF), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+      /* row g's byte lands on the exponent, row g+8's low bit on the sign, which the FFMAs
+       * drop (|operand|): one shift, no mask */
+      const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
       uint32_t a_lo[4], a_hi[4];
       decode_fp4x8(w[j].x, a_lo);
       decode_fp4x8(w[j].y, a_hi);
@@ -662,12 +664,14 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       mma_f16(d, a_hi, b[j].z, b[j].w);
       if (kPartial && j >= units) continue;
       sums[0] = fmaf(d[0], sw_g, sums[0]);
-      sums[1] = fmaf(d[1], sw_g, sums[1]);
       sums[2] = fmaf(d[2], sw_g8, sums[2]);
-      sums[3] = fmaf(d[3], sw_g8, sums[3]);
+      if constexpr (!kOneToken) { /* one token: column 0 alone is ever read */
+        sums[1] = fmaf(d[1], sw_g, sums[1]);
+        sums[3] = fmaf(d[3], sw_g8, sums[3]);
+      }
     }
     if constexpr (kChunkScale) /* a power of two: the same bits as the scales in the codes */
-      for (int i = 0; i < 4; ++i) acc[i] = fmaf(part[i], chunk_scale, acc[i]);
+      for (int i = 0; i < 4; i += kOneToken ? 2 : 1) acc[i] = fmaf(part[i], chunk_scale, acc[i]);
   }
 }
 
@@ -746,19 +750,21 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
 template <int kUnits, int kStep, bool kLocalX, bool kChunkScale>
 __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
                                                     int index, int end, ConsumerRing &ring) {
+  static_assert(kLocalXMaxTokens == 1, "local x and block-scaled hidden rows mean one token");
+  constexpr bool kOneToken = kLocalX || kChunkScale;
   for (; index < end; index += gridDim.x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, kChunkScale>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
+      consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
                                                acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, kChunkScale, true>(stage, kLocalX ? x_chunk : stage, cp.last,
+      consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
                                                      &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
