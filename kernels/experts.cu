@@ -628,7 +628,10 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * load first (unit by unit), then the stage is released, then decode + MMA with no
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
- * bytes of the same stage and are left out of the sums). */
+ * bytes of the same stage and are left out of the sums). kChunkScale: the chunk's sums take
+ * the multiplier its activation producer left in the stage (block-scaled hidden rows).
+ * kOneToken: MMA column 0 (the launch's token) is the only one read, so the others are
+ * not summed. */
 template <int kUnits, int kStep, bool kChunkScale, bool kOneToken, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
                                               float (&acc)[4], int units = kUnits) {
@@ -758,14 +761,14 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full, &ring.empty[ring.pos.stage],
-                                               acc);
+      consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
+                                                           &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
-                                                     &ring.empty[ring.pos.stage], acc, cp.last_units);
+                                                                 &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
     hand_off(p, smem, ring, acc);
