@@ -128,8 +128,9 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
 KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
 static_assert(kActRowPad >= 4, "a chunk's multiplier fits a block row's padding");
 /* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
- * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B the scales cost
- * FC2's MMA loop +5 to +6 % at B >= 4 (session 19). There each block also travels as
+ * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B, scales applied
+ * per unit cost FC2's MMA loop +5 to +6 % at B >= 4 (session 19); a chunk's multiplier
+ * would have to be one per token there. There each block also travels as
  * tagged words (below) instead of through hq and the unit's counter and flag. */
 KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x; }
 
