@@ -509,7 +509,7 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
     if (lane + 32 * i >= words) break;
     top = max(top, (uint32_t)(w[i] >> 16) & 0xFFu);
   }
-  const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - 7, 0); /* 448 x 2^7 fits f16 */
+  const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - kFoldHeadroomLog2, 0);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;

@@ -15,9 +15,9 @@
  * Activations travel as f16 values with their block scales folded in, relative to one
  * reference exponent per row (act_reference_exponent), so the MMA loop multiplies by the
  * weight scale alone; the sums are multiplied by 2^(R + 14) once per output (the 2^14
- * undoes the FP4 placement, 2^R the reference). One-token launches' hidden rows are the
- * exception: they keep their block scales, which FC2's loop applies (experts.cu,
- * block_scaled_hidden).
+ * undoes the FP4 placement, 2^R the reference). One-token launches' hidden blocks are
+ * folded the same way relative to each FC2 chunk's largest block instead, and the chunk's
+ * sums take 2^R once (experts.cu, block_scaled_hidden and gather_hidden_blocks).
  */
 #pragma once
 
@@ -76,6 +76,9 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
   return clamp_e8m0_exponent(e);
 }
 
+/* How far below the largest block exponent the reference R of a fold sits: 448 * 2^7 fits f16. */
+constexpr int kFoldHeadroomLog2 = 7;
+
 /* An activation block reaches the MMAs as q * 2^(e - R): its e4m3 codes q times its
  * scale relative to R = E - 7, where E is the largest block exponent of the row (that of
  * the row's amax, as the block rule is monotonic). Then q * 2^(e - R) <= 448 * 2^7 fits
@@ -88,7 +91,7 @@ __device__ __forceinline__ int mxfp8_exponent(float amax, bool floor_mode) {
  * every output whatever R is (0 then). */
 __device__ __forceinline__ int act_reference_exponent(float row_amax, bool floor_mode) {
   if (!isfinite(row_amax)) return 0;
-  return mxfp8_exponent(row_amax, floor_mode) - 7; /* <= 113 for finite fp32: 2^(R + 14) is finite */
+  return mxfp8_exponent(row_amax, floor_mode) - kFoldHeadroomLog2; /* <= 113 for finite fp32: 2^(R + 14) is finite */
 }
 
 /* A row's multiplier for its sums, 2^(R + 14) (above and decode_fp4x8). */
