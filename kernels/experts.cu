@@ -553,6 +553,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
   uint32_t known_ready = 0; /* bit i: this CTA's tile q_known + i has its activations */
   int q_known = 0;
   RingPos pos;
+  int n = 0; /* chunks walked so far, the other warp's too */
   for (int index = blockIdx.x, q = 0; index < total_tiles; index += gridDim.x, ++q) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
@@ -580,11 +581,14 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
      * stages could run two laps ahead of the MMA warps; one that waited without arriving
      * could fall a phase behind them (they need only the owner's copy) and then wait for a
      * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung. */
-    for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
+    /* a one-token FC2 tile's chunks alternate between the two warps, so one's poll of the
+     * tagged words and their widening overlap the other's */
+    const bool by_chunk = !ref.fc1 && block_scaled_hidden(kLocalX);
+    for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages), ++n) {
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], pos.parity ^ 1);
-      if (!mine) {
+      if (by_chunk ? n % kActivationWarps != which : !mine) {
         if (lane == 0) mbar_arrive(&full[s]);
         continue;
       }
