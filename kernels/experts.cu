@@ -35,9 +35,9 @@
  *      and releases it (one-token launches: each tile quantizes its own block and stores
  *      it as tagged words, which need no release);
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
- *      the unit's hidden rows, or polls the tagged words of each chunk's blocks (the
- *      weights are already on their way); bf16 results
- *      go to every slot that routed the token there. Combined output: each (token,
+ *      the unit's hidden rows, or (one token) the two take the chunks in turn and poll the
+ *      tagged words of each chunk's blocks (the weights are already on their way); bf16
+ *      results go to every slot that routed the token there. Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
  *      slot order.
  *   No step cleans up: flags and counters in scratch are compared with the call's number
