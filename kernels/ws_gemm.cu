@@ -42,10 +42,12 @@
  *     unit's instructions in flight while it waits for the next unit's copies.
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
- *   - Reduction, deterministic. The warpgroups write their fp32 partial sums to shared memory
- *     (over the drained ring); then cluster rank c sums rows [c R/C, (c+1) R/C) of all C CTAs'
- *     partials through distributed shared memory in rank order 0..C-1 and writes the epilogue
- *     (reduce-scatter: every CTA reads R/C rows).
+ *   - Reduction, deterministic. Ranks 1..C-1 send their fp32 accumulators straight from registers
+ *     into rank 0's shared memory (st.async, counted in bytes on one mbarrier there) and leave at
+ *     once, so their SMs take the next launch's CTAs early; rank 0 adds them to its own in rank
+ *     order 0..C-1 and writes the whole tile. That tail costs ~0.1-0.2 us where a reduce-scatter
+ *     through distributed shared memory between two cluster barriers cost ~1 us (and a push by
+ *     bulk copy with acknowledgements, session 8, more).
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
@@ -94,7 +96,6 @@ constexpr int kProducerWarp = kConsumerWarps; /* the last warp; only its lane 0 
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kMaxM = 64;                  /* rows of x per launch */
 constexpr int kMaxStages = 32;
-constexpr int kMaxCluster = 8;             /* portable cluster size limit */
 constexpr int kPartialPad = 4;             /* floats of padding per token row of a partial tile */
 constexpr int kConsumerBarrier = 1;        /* named barrier id for the consumer warps (0 = syncthreads) */
 
@@ -113,23 +114,30 @@ static_assert(kThreads <= 1024, "one CTA");
 /* Layout helpers, shared by the kernel and the host (one place for the arithmetic)       */
 /* ===================================================================================== */
 
-/* Shared-memory plan of one launch: the ring of stages, its barriers and, after the K loop,
- * the partial sums (which reuse the ring). */
+/* Shared-memory plan of one launch: [ring of stages][full barriers][empty barriers][the
+ * received barrier, 16 bytes][received accumulators]. After the K loop the partial sums reuse
+ * the ring. The received area (cluster rank 0 only uses it) is outside the ring because the
+ * peers send whenever they finish, while rank 0 may still be reading its ring. */
 struct SmemPlan {
   int32_t w_bytes;     /* W part of a stage: tile_n rows x 128 bytes */
   int32_t x_bytes;     /* x part of a stage: 8 * groups token rows x 128 bytes */
   int32_t stage_bytes;
   int32_t stages;      /* ring depth */
   int32_t slice_bytes; /* the CTA's partial sums: fp32 [8 * groups][tile_n + pad] */
+  int32_t peer_bytes;  /* one CTA's accumulators as it sends them: fp32 tile_n x 8 * groups */
+  int32_t recv_bytes;  /* the other cluster - 1 CTAs' accumulators, received by rank 0 */
 };
 
-__host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups) {
+__host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups,
+                                              int32_t cluster) {
   SmemPlan p;
   p.w_bytes = tile_n * kUnitRowBytes;
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
+  p.peer_bytes = tile_n * 8 * groups * 4;
+  p.recv_bytes = (cluster - 1) * p.peer_bytes;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
-  const int32_t s = (smem_bytes - kSwizzleAtomBytes) / (p.stage_bytes + 16);
+  const int32_t s = (smem_bytes - kSwizzleAtomBytes - 16 - p.recv_bytes) / (p.stage_bytes + 16);
   p.stages = s < kMaxStages ? s : kMaxStages;
   p.slice_bytes = 8 * groups * (tile_n + kPartialPad) * 4;
   return p;
@@ -186,26 +194,35 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-/* All threads of all CTAs of the cluster; release/acquire orders the shared-memory partials. */
-__device__ __forceinline__ void cluster_sync() {
+/* The cluster barrier, split: every thread arrives once after the barriers are initialized and
+ * waits once before it touches another CTA's shared memory (or leaves). */
+__device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The address `addr` of this CTA's shared memory has in CTA `rank` of the cluster. */
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+/* 16 bytes into another CTA's shared memory, counted in bytes on its mbarrier there; the
+ * sender does not wait for it (nothing of the sender's is read). */
+__device__ __forceinline__ void st_async_f4(uint32_t remote_addr, float a, float b, float c, float d,
+                                            uint32_t remote_bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+          remote_addr),
+      "f"(a), "f"(b), "f"(c), "f"(d), "r"(remote_bar)
+      : "memory");
 }
 
 __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
-
-/* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
-  uint32_t remote;
-  float4 v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-  return v;
 }
 
 __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
@@ -321,14 +338,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kGroups == 2 || kGroups == 4 || kGroups == 8, "a wgmma N of 16, 32 or 64 tokens");
   constexpr int kN = 8 * kGroups; /* token rows of a launch = the wgmma's N */
 
-  /* ---- shared memory: [ring of stages][full barriers][empty barriers] ----------------- */
+  /* ---- shared memory (SmemPlan) ------------------------------------------------------ */
   extern __shared__ __align__(kSwizzleAtomBytes) uint8_t smem_raw[];
-  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups);
+  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups, p.cluster);
   const uint32_t ring =
       (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(uint32_t)(kSwizzleAtomBytes - 1);
   uint64_t *full = reinterpret_cast<uint64_t *>(smem_raw + (ring - smem_addr(smem_raw)) +
                                                 plan.stages * plan.stage_bytes);
   uint64_t *empty = full + plan.stages;
+  uint64_t *received = empty + plan.stages; /* rank 0: every peer's accumulators are in */
+  const uint32_t recv = smem_addr(received) + 16;
 
   /* ---- this CTA's piece: rows [n0, n0 + tile_n), units [u0, u0 + units) of K ----------- */
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
@@ -350,9 +369,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
       mbar_init(&empty[s], (uint32_t)(4 * active_warpgroups)); /* every consumer warp */
     }
+    mbar_init(received, 1);
+    /* rank 0 expects every peer's bytes before any can arrive (the cluster barrier below) */
+    if (rank == 0 && p.cluster > 1) mbar_arrive_expect_tx(received, (uint32_t)plan.recv_bytes);
     fence_barrier_init();
   }
   __syncthreads();
+  if (p.cluster > 1) cluster_arrive(); /* the peers may send to our barrier once all arrived */
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
   allow_dependents();
@@ -420,7 +443,43 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(&empty[held]);
     }
 
-    /* ---- the CTA's partial sums, over the drained ring ------------------------------------ */
+    /* ---- split-K: ranks 1..C-1 send their accumulators to rank 0 and leave ------------- */
+    /* Thread t's fragment goes to floats [(t kBlocks + b) kN / 2, + kN / 2) of the sender's
+     * block, so rank 0's thread t finds its own fragment's partners at the same place. */
+    const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
+    if (rank > 0) {
+      cluster_wait(); /* rank 0's barrier is initialized and armed */
+      if (active) {
+        const uint32_t dst = cluster_addr(fragment + (uint32_t)(rank - 1) * plan.peer_bytes, 0);
+        const uint32_t bar = cluster_addr(smem_addr(received), 0);
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int i = 0; i < kN / 2; i += 4)
+            st_async_f4(dst + (uint32_t)(b * (kN / 2) + i) * 4, acc[b][i], acc[b][i + 1], acc[b][i + 2],
+                        acc[b][i + 3], bar);
+      }
+      return;
+    }
+    if (p.cluster > 1 && active) {
+      mbar_wait(received, 0);
+      /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
+      for (int c = 1; c < p.cluster; ++c) {
+        const uint32_t from = fragment + (uint32_t)(c - 1) * plan.peer_bytes;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int i = 0; i < kN / 2; i += 4) {
+            const float4 v = lds_f4(from + (uint32_t)(b * (kN / 2) + i) * 4);
+            acc[b][i] += v.x;
+            acc[b][i + 1] += v.y;
+            acc[b][i + 2] += v.z;
+            acc[b][i + 3] += v.w;
+          }
+      }
+    }
+
+    /* ---- the tile's sums, over the drained ring ----------------------------------------- */
     named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
     const int g = lane >> 2, q = lane & 3;
     if (active)
@@ -433,50 +492,26 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    8 * ((i >> 1) & 1)),
                   acc[b][i]);
   }
+  /* every thread waits on the cluster barrier once (the senders' MMA warps did above) */
+  if (p.cluster > 1) cluster_wait();
+  if (rank > 0) return;
 
-  /* ---- reduction across the cluster, rank order 0..C-1, through DSMEM ----------------- */
-  __syncwarp(); /* the .aligned cluster barrier wants each warp converged (roles diverged) */
-  if (p.cluster > 1)
-    cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
   wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
-  /* ---- epilogue: this CTA's rows [rank R/C, (rank+1) R/C) of the tile, 4 columns a thread - */
-  const int rows_per_rank = p.tile_n / p.cluster; /* >= 8 */
-  const int quads = rows_per_rank / 4;
+  /* ---- epilogue: the whole tile, 4 columns a thread ------------------------------------ */
+  const int quads = p.tile_n / 4;
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
     const int tok = i / quads;
-    const int row = rank * rows_per_rank + (i - tok * quads) * 4;
-    const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
-    float4 v;
-    if (p.cluster > 1) {
-      float4 part[kMaxCluster];
-#pragma unroll
-      for (int c = 0; c < kMaxCluster; ++c)
-        if (c < p.cluster) part[c] = ld_cluster_f4(addr, (uint32_t)c);
-      v = part[0];
-#pragma unroll
-      for (int c = 1; c < kMaxCluster; ++c)
-        if (c < p.cluster) {
-          v.x += part[c].x;
-          v.y += part[c].y;
-          v.z += part[c].z;
-          v.w += part[c].w;
-        }
-    } else {
-      v = lds_f4(addr);
-    }
+    const int row = (i - tok * quads) * 4;
+    const float4 v = lds_f4(partial_addr(ring, p.tile_n, tok, row));
     const int col = n0 + row;
     store_column(p, tok, col + 0, v.x);
     store_column(p, tok, col + 1, v.y);
     store_column(p, tok, col + 2, v.z);
     store_column(p, tok, col + 3, v.w);
   }
-
-  /* No CTA may leave while a cluster peer still reads its partials. */
-  if (p.cluster > 1) cluster_sync();
 }
 
 /* ===================================================================================== */
@@ -592,7 +627,7 @@ bool config_is_sane(const kx_gemm_config &c, int32_t n, int32_t k) {
   if (c.cluster > k / kUnitK) return false;
   if ((int64_t)c.grid != ((int64_t)n + c.tile_n - 1) / c.tile_n * c.cluster) return false;
   for (int groups : kGroupChoices)
-    if (!plan_fits(plan_smem(c.smem_bytes, c.tile_n, groups))) return false;
+    if (!plan_fits(plan_smem(c.smem_bytes, c.tile_n, groups, c.cluster))) return false;
   return true;
 }
 
@@ -633,11 +668,12 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   int best_waves = 0, best_tile = 0, best_cluster = 0;
   int64_t best_grid = 0;
   for (int tile_n : kTileChoices) {
-    bool fits = true;
-    for (int groups : kGroupChoices) fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups));
-    if (!fits) continue;
     for (int cluster : kClusterChoices) {
       if (cluster > k_units) continue;
+      bool fits = true; /* the ring shrinks by the received area as the cluster grows */
+      for (int groups : kGroupChoices)
+        fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups, cluster));
+      if (!fits) continue;
       int resident = 0;
       err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
