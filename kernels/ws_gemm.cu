@@ -42,12 +42,14 @@
  *     unit's instructions in flight while it waits for the next unit's copies.
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
- *   - Reduction, deterministic. Ranks 1..C-1 send their fp32 accumulators straight from registers
- *     into rank 0's shared memory (st.async, counted in bytes on one mbarrier there) and leave at
- *     once, so their SMs take the next launch's CTAs early; rank 0 adds them to its own in rank
- *     order 0..C-1 and writes the whole tile. That tail costs ~0.1-0.2 us where a reduce-scatter
- *     through distributed shared memory between two cluster barriers cost ~1 us (and a push by
- *     bulk copy with acknowledgements, session 8, more).
+ *   - Reduction, deterministic: rank order 0..C-1 whoever finishes first, two ways
+ *     (pushed_reduction picks by measurement). Pushed (pairs at M <= 16): rank 1 sends its fp32
+ *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
+ *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
+ *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
+ *     partial sums to shared memory (over the drained ring), then between two cluster barriers
+ *     rank c sums rows [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared
+ *     memory and writes them.
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
@@ -96,6 +98,7 @@ constexpr int kProducerWarp = kConsumerWarps; /* the last warp; only its lane 0 
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kMaxM = 64;                  /* rows of x per launch */
 constexpr int kMaxStages = 32;
+constexpr int kMaxCluster = 8;             /* portable cluster size limit */
 constexpr int kPartialPad = 4;             /* floats of padding per token row of a partial tile */
 constexpr int kConsumerBarrier = 1;        /* named barrier id for the consumer warps (0 = syncthreads) */
 
@@ -114,9 +117,18 @@ static_assert(kThreads <= 1024, "one CTA");
 /* Layout helpers, shared by the kernel and the host (one place for the arithmetic)       */
 /* ===================================================================================== */
 
+/* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
+ * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
+ * barriers. Measured on the H200 (session 25), the push wins only for pairs at M <= 16 (-0.3 to
+ * -0.5 us); with more tokens or more CTAs it is slower (+0.15 to +1.5 us: rank 0 waits for and
+ * writes more, and the received area takes ring stages). */
+__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t cluster) {
+  return groups == 2 && cluster == 2;
+}
+
 /* Shared-memory plan of one launch: [ring of stages][full barriers][empty barriers][the
  * received barrier, 16 bytes][received accumulators]. After the K loop the partial sums reuse
- * the ring. The received area (cluster rank 0 only uses it) is outside the ring because the
+ * the ring. The received area (rank 0 of a pushed reduction) is outside the ring because the
  * peers send whenever they finish, while rank 0 may still be reading its ring. */
 struct SmemPlan {
   int32_t w_bytes;     /* W part of a stage: tile_n rows x 128 bytes */
@@ -125,7 +137,7 @@ struct SmemPlan {
   int32_t stages;      /* ring depth */
   int32_t slice_bytes; /* the CTA's partial sums: fp32 [8 * groups][tile_n + pad] */
   int32_t peer_bytes;  /* one CTA's accumulators as it sends them: fp32 tile_n x 8 * groups */
-  int32_t recv_bytes;  /* the other cluster - 1 CTAs' accumulators, received by rank 0 */
+  int32_t recv_bytes;  /* pushed reduction: the other CTAs' accumulators, received by rank 0 */
 };
 
 __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups,
@@ -135,7 +147,7 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
   p.peer_bytes = tile_n * 8 * groups * 4;
-  p.recv_bytes = (cluster - 1) * p.peer_bytes;
+  p.recv_bytes = pushed_reduction(groups, cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
   const int32_t s = (smem_bytes - kSwizzleAtomBytes - 16 - p.recv_bytes) / (p.stage_bytes + 16);
   p.stages = s < kMaxStages ? s : kMaxStages;
@@ -194,8 +206,14 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-/* The cluster barrier, split: every thread arrives once after the barriers are initialized and
- * waits once before it touches another CTA's shared memory (or leaves). */
+/* All threads of all CTAs of the cluster; release/acquire orders the shared-memory partials. */
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The same barrier, split (pushed reduction): every thread arrives once after the barriers are
+ * initialized and waits once before it writes to another CTA's shared memory (or leaves). */
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -223,6 +241,16 @@ __device__ __forceinline__ void st_async_f4(uint32_t remote_addr, float a, float
 
 __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+
+/* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr(addr, rank))
+               : "memory");
+  return v;
 }
 
 __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
@@ -351,6 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   /* ---- this CTA's piece: rows [n0, n0 + tile_n), units [u0, u0 + units) of K ----------- */
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
+  const bool push = pushed_reduction(kGroups, p.cluster);
   const int n0 = (int)(blockIdx.x / (uint32_t)p.cluster) * p.tile_n;
   const int k_units = p.k / kUnitK;
   const int u0 = (int)((int64_t)rank * k_units / p.cluster);
@@ -369,13 +398,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
       mbar_init(&empty[s], (uint32_t)(4 * active_warpgroups)); /* every consumer warp */
     }
-    mbar_init(received, 1);
-    /* rank 0 expects every peer's bytes before any can arrive (the cluster barrier below) */
-    if (rank == 0 && p.cluster > 1) mbar_arrive_expect_tx(received, (uint32_t)plan.recv_bytes);
+    if (push) {
+      mbar_init(received, 1);
+      /* rank 0 expects every peer's bytes before any can arrive (the cluster barrier below) */
+      if (rank == 0) mbar_arrive_expect_tx(received, (uint32_t)plan.recv_bytes);
+    }
     fence_barrier_init();
   }
   __syncthreads();
-  if (p.cluster > 1) cluster_arrive(); /* the peers may send to our barrier once all arrived */
+  if (push) cluster_arrive(); /* the peers may send to our barrier once all arrived */
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
   allow_dependents();
@@ -443,11 +474,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(&empty[held]);
     }
 
-    /* ---- split-K: ranks 1..C-1 send their accumulators to rank 0 and leave ------------- */
+    /* ---- pushed reduction: ranks 1..C-1 send their accumulators to rank 0 and leave ----- */
     /* Thread t's fragment goes to floats [(t kBlocks + b) kN / 2, + kN / 2) of the sender's
      * block, so rank 0's thread t finds its own fragment's partners at the same place. */
     const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
-    if (rank > 0) {
+    if (push && rank > 0) {
       cluster_wait(); /* rank 0's barrier is initialized and armed */
       if (active) {
         const uint32_t dst = cluster_addr(fragment + (uint32_t)(rank - 1) * plan.peer_bytes, 0);
@@ -461,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    if (p.cluster > 1 && active) {
+    if (push && active) {
       mbar_wait(received, 0);
       /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
       for (int c = 1; c < p.cluster; ++c) {
@@ -479,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    /* ---- the tile's sums, over the drained ring ----------------------------------------- */
+    /* ---- the CTA's partial sums (pushed: the tile's sums), over the drained ring ---------- */
     named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
     const int g = lane >> 2, q = lane & 3;
     if (active)
@@ -492,26 +523,58 @@ __global__ void __launch_bounds__(kThreads, 1)
                                    8 * ((i >> 1) & 1)),
                   acc[b][i]);
   }
-  /* every thread waits on the cluster barrier once (the senders' MMA warps did above) */
-  if (p.cluster > 1) cluster_wait();
-  if (rank > 0) return;
 
-  __syncthreads();
+  __syncwarp(); /* the .aligned cluster barriers want each warp converged (roles diverged) */
+  if (push) {
+    cluster_wait(); /* every thread waits once (the senders' MMA warps did above) */
+    if (rank > 0) return;
+    __syncthreads();
+  } else if (p.cluster > 1) {
+    cluster_sync(); /* reduce-scatter: every CTA's partial sums are in */
+  } else {
+    __syncthreads();
+  }
   wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
-  /* ---- epilogue: the whole tile, 4 columns a thread ------------------------------------ */
-  const int quads = p.tile_n / 4;
+  /* ---- epilogue: rows [r0, r0 + rows) of the tile, 4 columns a thread ------------------- */
+  /* pushed (or no cluster): the whole tile from this CTA's sums; reduce-scattered: rank c sums
+   * rows [c R/C, (c+1) R/C) of every CTA's partials through DSMEM, in rank order */
+  const bool local = push || p.cluster == 1;
+  const int rows = local ? p.tile_n : p.tile_n / p.cluster; /* >= 8 */
+  const int r0 = local ? 0 : rank * rows;
+  const int quads = rows / 4;
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
     const int tok = i / quads;
-    const int row = (i - tok * quads) * 4;
-    const float4 v = lds_f4(partial_addr(ring, p.tile_n, tok, row));
+    const int row = r0 + (i - tok * quads) * 4;
+    const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
+    float4 v;
+    if (!local) {
+      float4 part[kMaxCluster];
+#pragma unroll
+      for (int c = 0; c < kMaxCluster; ++c)
+        if (c < p.cluster) part[c] = ld_cluster_f4(addr, (uint32_t)c);
+      v = part[0];
+#pragma unroll
+      for (int c = 1; c < kMaxCluster; ++c)
+        if (c < p.cluster) {
+          v.x += part[c].x;
+          v.y += part[c].y;
+          v.z += part[c].z;
+          v.w += part[c].w;
+        }
+    } else {
+      v = lds_f4(addr);
+    }
     const int col = n0 + row;
     store_column(p, tok, col + 0, v.x);
     store_column(p, tok, col + 1, v.y);
     store_column(p, tok, col + 2, v.z);
     store_column(p, tok, col + 3, v.w);
   }
+
+  /* Reduce-scatter: no CTA may leave while a cluster peer still reads its partials. */
+  if (!local) cluster_sync();
 }
 
 /* ===================================================================================== */
