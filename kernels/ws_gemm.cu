@@ -43,7 +43,8 @@
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1 whoever finishes first, two ways
- *     (pushed_reduction picks by measurement). Pushed (pairs at M <= 16): rank 1 sends its fp32
+ *     (pushed_reduction picks by measurement; a template parameter, so the
+ *     reduce-scattering kernels stay as they were). Pushed (pairs at M <= 16): rank 1 sends its fp32
  *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
  *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
  *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
@@ -149,7 +150,8 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.peer_bytes = tile_n * 8 * groups * 4;
   p.recv_bytes = pushed_reduction(groups, cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
-  const int32_t s = (smem_bytes - kSwizzleAtomBytes - 16 - p.recv_bytes) / (p.stage_bytes + 16);
+  const int32_t received = p.recv_bytes > 0 ? 16 + p.recv_bytes : 0; /* its barrier, its area */
+  const int32_t s = (smem_bytes - kSwizzleAtomBytes - received) / (p.stage_bytes + 16);
   p.stages = s < kMaxStages ? s : kMaxStages;
   p.slice_bytes = 8 * groups * (tile_n + kPartialPad) * 4;
   return p;
@@ -245,10 +247,12 @@ __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
 
 /* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
 __device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
   float4 v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(cluster_addr(addr, rank))
+               : "r"(remote)
                : "memory");
   return v;
 }
@@ -358,8 +362,8 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
- * branch (the compiler would serialize them). */
-template <int kGroups, int kBlocks>
+ * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, cluster). */
+template <int kGroups, int kBlocks, bool kPush>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                    const __grid_constant__ CUtensorMap x_map, const Params p) {
@@ -368,18 +372,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   /* ---- shared memory (SmemPlan) ------------------------------------------------------ */
   extern __shared__ __align__(kSwizzleAtomBytes) uint8_t smem_raw[];
-  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups, p.cluster);
+  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups, kPush ? p.cluster : 1);
   const uint32_t ring =
       (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(uint32_t)(kSwizzleAtomBytes - 1);
   uint64_t *full = reinterpret_cast<uint64_t *>(smem_raw + (ring - smem_addr(smem_raw)) +
                                                 plan.stages * plan.stage_bytes);
   uint64_t *empty = full + plan.stages;
-  uint64_t *received = empty + plan.stages; /* rank 0: every peer's accumulators are in */
+  uint64_t *received = empty + plan.stages; /* pushed, rank 0: every peer's accumulators are in */
   const uint32_t recv = smem_addr(received) + 16;
 
   /* ---- this CTA's piece: rows [n0, n0 + tile_n), units [u0, u0 + units) of K ----------- */
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
-  const bool push = pushed_reduction(kGroups, p.cluster);
   const int n0 = (int)(blockIdx.x / (uint32_t)p.cluster) * p.tile_n;
   const int k_units = p.k / kUnitK;
   const int u0 = (int)((int64_t)rank * k_units / p.cluster);
@@ -398,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
       mbar_init(&empty[s], (uint32_t)(4 * active_warpgroups)); /* every consumer warp */
     }
-    if (push) {
+    if (kPush) {
       mbar_init(received, 1);
       /* rank 0 expects every peer's bytes before any can arrive (the cluster barrier below) */
       if (rank == 0) mbar_arrive_expect_tx(received, (uint32_t)plan.recv_bytes);
@@ -406,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_barrier_init();
   }
   __syncthreads();
-  if (push) cluster_arrive(); /* the peers may send to our barrier once all arrived */
+  if constexpr (kPush) cluster_arrive(); /* the peers may send to our barrier once all arrived */
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
   allow_dependents();
@@ -478,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     /* Thread t's fragment goes to floats [(t kBlocks + b) kN / 2, + kN / 2) of the sender's
      * block, so rank 0's thread t finds its own fragment's partners at the same place. */
     const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
-    if (push && rank > 0) {
+    if (kPush && rank > 0) {
       cluster_wait(); /* rank 0's barrier is initialized and armed */
       if (active) {
         const uint32_t dst = cluster_addr(fragment + (uint32_t)(rank - 1) * plan.peer_bytes, 0);
@@ -492,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    if (push && active) {
+    if (kPush && active) {
       mbar_wait(received, 0);
       /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
       for (int c = 1; c < p.cluster; ++c) {
@@ -524,44 +527,43 @@ __global__ void __launch_bounds__(kThreads, 1)
                   acc[b][i]);
   }
 
+  /* ---- reduction across the cluster, rank order 0..C-1, through DSMEM ----------------- */
   __syncwarp(); /* the .aligned cluster barriers want each warp converged (roles diverged) */
-  if (push) {
+  if constexpr (kPush) {
     cluster_wait(); /* every thread waits once (the senders' MMA warps did above) */
     if (rank > 0) return;
-    __syncthreads();
-  } else if (p.cluster > 1) {
-    cluster_sync(); /* reduce-scatter: every CTA's partial sums are in */
-  } else {
-    __syncthreads();
   }
+  /* pushed, rank 0 holds the tile's sums: from here it is a cluster of one */
+  const int cluster = kPush ? 1 : p.cluster;
+  const int part = kPush ? 0 : rank;
+  if (cluster > 1)
+    cluster_sync();
+  else
+    __syncthreads();
   wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
-  /* ---- epilogue: rows [r0, r0 + rows) of the tile, 4 columns a thread ------------------- */
-  /* pushed (or no cluster): the whole tile from this CTA's sums; reduce-scattered: rank c sums
-   * rows [c R/C, (c+1) R/C) of every CTA's partials through DSMEM, in rank order */
-  const bool local = push || p.cluster == 1;
-  const int rows = local ? p.tile_n : p.tile_n / p.cluster; /* >= 8 */
-  const int r0 = local ? 0 : rank * rows;
-  const int quads = rows / 4;
+  /* ---- epilogue: this CTA's rows [rank R/C, (rank+1) R/C) of the tile, 4 columns a thread - */
+  const int rows_per_rank = p.tile_n / cluster; /* >= 8 */
+  const int quads = rows_per_rank / 4;
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
     const int tok = i / quads;
-    const int row = r0 + (i - tok * quads) * 4;
+    const int row = part * rows_per_rank + (i - tok * quads) * 4;
     const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
     float4 v;
-    if (!local) {
-      float4 part[kMaxCluster];
+    if (cluster > 1) {
+      float4 parts[kMaxCluster];
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c)
-        if (c < p.cluster) part[c] = ld_cluster_f4(addr, (uint32_t)c);
-      v = part[0];
+        if (c < cluster) parts[c] = ld_cluster_f4(addr, (uint32_t)c);
+      v = parts[0];
 #pragma unroll
       for (int c = 1; c < kMaxCluster; ++c)
-        if (c < p.cluster) {
-          v.x += part[c].x;
-          v.y += part[c].y;
-          v.z += part[c].z;
-          v.w += part[c].w;
+        if (c < cluster) {
+          v.x += parts[c].x;
+          v.y += parts[c].y;
+          v.z += parts[c].z;
+          v.w += parts[c].w;
         }
     } else {
       v = lds_f4(addr);
@@ -573,8 +575,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_column(p, tok, col + 3, v.w);
   }
 
-  /* Reduce-scatter: no CTA may leave while a cluster peer still reads its partials. */
-  if (!local) cluster_sync();
+  /* No CTA may leave while a cluster peer still reads its partials. */
+  if (cluster > 1) cluster_sync();
 }
 
 /* ===================================================================================== */
@@ -587,12 +589,15 @@ constexpr int kClusterChoices[] = {1, 2, 4, 8};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 
-KernelFn kernel_for(int groups, int tile_n) {
+KernelFn kernel_for(int groups, int tile_n, int cluster) {
   const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
   switch (groups) {
-    case 2: return two ? ws_gemm_kernel<2, 2> : ws_gemm_kernel<2, 1>;
-    case 4: return two ? ws_gemm_kernel<4, 2> : ws_gemm_kernel<4, 1>;
-    default: return two ? ws_gemm_kernel<8, 2> : ws_gemm_kernel<8, 1>;
+    case 2:
+      if (pushed_reduction(groups, cluster))
+        return two ? ws_gemm_kernel<2, 2, true> : ws_gemm_kernel<2, 1, true>;
+      return two ? ws_gemm_kernel<2, 2, false> : ws_gemm_kernel<2, 1, false>;
+    case 4: return two ? ws_gemm_kernel<4, 2, false> : ws_gemm_kernel<4, 1, false>;
+    default: return two ? ws_gemm_kernel<8, 2, false> : ws_gemm_kernel<8, 1, false>;
   }
 }
 
@@ -717,11 +722,12 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
-    for (int blocks = 1; blocks <= 2; ++blocks) { /* tiles of 64 and 128 rows share a kernel */
-      err = cudaFuncSetAttribute(kernel_for(groups, blocks * kConsumerWarpgroups * kBlockRows),
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-      if (err != cudaSuccess) return err;
-    }
+    for (int blocks = 1; blocks <= 2; ++blocks) /* tiles of 64 and 128 rows share a kernel */
+      for (int cluster : {1, 2}) { /* every kernel: reduce-scattering and (pairs) pushing */
+        err = cudaFuncSetAttribute(kernel_for(groups, blocks * kConsumerWarpgroups * kBlockRows, cluster),
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        if (err != cudaSuccess) return err;
+      }
 
   /* The heuristic, in this order: fewest waves; fewest weight elements per CTA (the critical
    * path when every SM streams at the same rate); the tile order of kTileChoices; the smaller
@@ -733,12 +739,12 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   for (int tile_n : kTileChoices) {
     for (int cluster : kClusterChoices) {
       if (cluster > k_units) continue;
-      bool fits = true; /* the ring shrinks by the received area as the cluster grows */
+      bool fits = true; /* a pushed reduction's received area takes ring stages */
       for (int groups : kGroupChoices)
         fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups, cluster));
       if (!fits) continue;
       int resident = 0;
-      err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_bytes, sms, &resident);
+      err = resident_ctas(kernel_for(kMaxM / 8, tile_n, cluster), cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
         cudaGetLastError(); /* an unsupported cluster size is not fatal: skip it */
         continue;
@@ -845,7 +851,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     cfg.stream = stream;
     cfg.attrs = attrs;
     cfg.numAttrs = num_attrs;
-    err = cudaLaunchKernelEx(&cfg, kernel_for(groups, c.tile_n), w_map, x_map, p);
+    err = cudaLaunchKernelEx(&cfg, kernel_for(groups, c.tile_n, c.cluster), w_map, x_map, p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
