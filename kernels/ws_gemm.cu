@@ -42,9 +42,9 @@
  *     unit's instructions in flight while it waits for the next unit's copies.
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
- *   - Reduction, deterministic: rank order 0..C-1 whoever finishes first, two ways
- *     (pushed_reduction picks by measurement; a template parameter, so the
- *     reduce-scattering kernels stay as they were). Pushed (pairs at M <= 16): rank 1 sends its fp32
+ *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
+ *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
+ *     kernels compile as they did alone). Pushed (pairs at M <= 16): rank 1 sends its fp32
  *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
  *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
  *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
@@ -232,13 +232,10 @@ __device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
 
 /* 16 bytes into another CTA's shared memory, counted in bytes on its mbarrier there; the
  * sender does not wait for it (nothing of the sender's is read). */
-__device__ __forceinline__ void st_async_f4(uint32_t remote_addr, float a, float b, float c, float d,
-                                            uint32_t remote_bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
-          remote_addr),
-      "f"(a), "f"(b), "f"(c), "f"(d), "r"(remote_bar)
-      : "memory");
+__device__ __forceinline__ void st_async_f4(uint32_t remote_addr, const float *v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(remote_addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar)
+               : "memory");
 }
 
 __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
@@ -490,8 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
           for (int i = 0; i < kN / 2; i += 4)
-            st_async_f4(dst + (uint32_t)(b * (kN / 2) + i) * 4, acc[b][i], acc[b][i + 1], acc[b][i + 2],
-                        acc[b][i + 3], bar);
+            st_async_f4(dst + (uint32_t)(b * (kN / 2) + i) * 4, &acc[b][i], bar);
       }
       return;
     }
@@ -724,7 +720,8 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   for (int groups : kGroupChoices)
     for (int blocks = 1; blocks <= 2; ++blocks) /* tiles of 64 and 128 rows share a kernel */
       for (int cluster : {1, 2}) { /* every kernel: reduce-scattering and (pairs) pushing */
-        err = cudaFuncSetAttribute(kernel_for(groups, blocks * kConsumerWarpgroups * kBlockRows, cluster),
+        const int tile_n = blocks * kConsumerWarpgroups * kBlockRows;
+        err = cudaFuncSetAttribute(kernel_for(groups, tile_n, cluster),
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (err != cudaSuccess) return err;
       }
@@ -744,7 +741,8 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
         fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups, cluster));
       if (!fits) continue;
       int resident = 0;
-      err = resident_ctas(kernel_for(kMaxM / 8, tile_n, cluster), cluster, smem_bytes, sms, &resident);
+      KernelFn widest = kernel_for(kMaxM / 8, tile_n, cluster);
+      err = resident_ctas(widest, cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
         cudaGetLastError(); /* an unsupported cluster size is not fatal: skip it */
         continue;
