@@ -42,10 +42,15 @@
  *     unit's instructions in flight while it waits for the next unit's copies.
  *   - Warpgroups. Consumer warpgroup w owns the 64-row blocks w, w + 2 of the tile (R = 64 leaves
  *     the second one idle) and reads every stage.
- *   - Reduction, deterministic. The warpgroups write their fp32 partial sums to shared memory
- *     (over the drained ring); then cluster rank c sums rows [c R/C, (c+1) R/C) of all C CTAs'
- *     partials through distributed shared memory in rank order 0..C-1 and writes the epilogue
- *     (reduce-scatter: every CTA reads R/C rows).
+ *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
+ *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
+ *     kernels compile as they did alone). Pushed (pairs at M <= 16): rank 1 sends its fp32
+ *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
+ *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
+ *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
+ *     partial sums to shared memory (over the drained ring), then between two cluster barriers
+ *     rank c sums rows [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared
+ *     memory and writes them.
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
@@ -113,23 +118,40 @@ static_assert(kThreads <= 1024, "one CTA");
 /* Layout helpers, shared by the kernel and the host (one place for the arithmetic)       */
 /* ===================================================================================== */
 
-/* Shared-memory plan of one launch: the ring of stages, its barriers and, after the K loop,
- * the partial sums (which reuse the ring). */
+/* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
+ * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
+ * barriers. Measured on the H200 (session 25), the push wins only for pairs at M <= 16 (-0.3 to
+ * -0.5 us); with more tokens or more CTAs it is slower (+0.15 to +1.5 us: rank 0 waits for and
+ * writes more, and the received area takes ring stages). */
+__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t cluster) {
+  return groups == 2 && cluster == 2;
+}
+
+/* Shared-memory plan of one launch: [ring of stages][full barriers][empty barriers][the
+ * received barrier, 16 bytes][received accumulators]. After the K loop the partial sums reuse
+ * the ring. The received area (rank 0 of a pushed reduction) is outside the ring because the
+ * peers send whenever they finish, while rank 0 may still be reading its ring. */
 struct SmemPlan {
   int32_t w_bytes;     /* W part of a stage: tile_n rows x 128 bytes */
   int32_t x_bytes;     /* x part of a stage: 8 * groups token rows x 128 bytes */
   int32_t stage_bytes;
   int32_t stages;      /* ring depth */
   int32_t slice_bytes; /* the CTA's partial sums: fp32 [8 * groups][tile_n + pad] */
+  int32_t peer_bytes;  /* one CTA's accumulators as it sends them: fp32 tile_n x 8 * groups */
+  int32_t recv_bytes;  /* pushed reduction: the other CTAs' accumulators, received by rank 0 */
 };
 
-__host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups) {
+__host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n, int32_t groups,
+                                              int32_t cluster) {
   SmemPlan p;
   p.w_bytes = tile_n * kUnitRowBytes;
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
+  p.peer_bytes = tile_n * 8 * groups * 4;
+  p.recv_bytes = pushed_reduction(groups, cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
-  const int32_t s = (smem_bytes - kSwizzleAtomBytes) / (p.stage_bytes + 16);
+  const int32_t received = p.recv_bytes > 0 ? 16 + p.recv_bytes : 0; /* its barrier, its area */
+  const int32_t s = (smem_bytes - kSwizzleAtomBytes - received) / (p.stage_bytes + 16);
   p.stages = s < kMaxStages ? s : kMaxStages;
   p.slice_bytes = 8 * groups * (tile_n + kPartialPad) * 4;
   return p;
@@ -190,6 +212,30 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The same barrier, split (pushed reduction): every thread arrives once after the barriers are
+ * initialized and waits once before it writes to another CTA's shared memory (or leaves). */
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* The address `addr` of this CTA's shared memory has in CTA `rank` of the cluster. */
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+
+/* 16 bytes into another CTA's shared memory, counted in bytes on its mbarrier there; the
+ * sender does not wait for it (nothing of the sender's is read). */
+__device__ __forceinline__ void st_async_f4(uint32_t remote_addr, const float *v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(remote_addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar)
+               : "memory");
 }
 
 __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
@@ -313,22 +359,24 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
- * branch (the compiler would serialize them). */
-template <int kGroups, int kBlocks>
+ * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, cluster). */
+template <int kGroups, int kBlocks, bool kPush>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
                    const __grid_constant__ CUtensorMap x_map, const Params p) {
   static_assert(kGroups == 2 || kGroups == 4 || kGroups == 8, "a wgmma N of 16, 32 or 64 tokens");
   constexpr int kN = 8 * kGroups; /* token rows of a launch = the wgmma's N */
 
-  /* ---- shared memory: [ring of stages][full barriers][empty barriers] ----------------- */
+  /* ---- shared memory (SmemPlan) ------------------------------------------------------ */
   extern __shared__ __align__(kSwizzleAtomBytes) uint8_t smem_raw[];
-  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups);
+  const SmemPlan plan = plan_smem(p.smem_bytes, p.tile_n, kGroups, kPush ? p.cluster : 1);
   const uint32_t ring =
       (smem_addr(smem_raw) + kSwizzleAtomBytes - 1) & ~(uint32_t)(kSwizzleAtomBytes - 1);
   uint64_t *full = reinterpret_cast<uint64_t *>(smem_raw + (ring - smem_addr(smem_raw)) +
                                                 plan.stages * plan.stage_bytes);
   uint64_t *empty = full + plan.stages;
+  uint64_t *received = empty + plan.stages; /* pushed, rank 0: every peer's accumulators are in */
+  const uint32_t recv = smem_addr(received) + 16;
 
   /* ---- this CTA's piece: rows [n0, n0 + tile_n), units [u0, u0 + units) of K ----------- */
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
@@ -350,9 +398,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
       mbar_init(&empty[s], (uint32_t)(4 * active_warpgroups)); /* every consumer warp */
     }
+    if (kPush) {
+      mbar_init(received, 1);
+      /* rank 0 expects every peer's bytes before any can arrive (the cluster barrier below) */
+      if (rank == 0) mbar_arrive_expect_tx(received, (uint32_t)plan.recv_bytes);
+    }
     fence_barrier_init();
   }
   __syncthreads();
+  if constexpr (kPush) cluster_arrive(); /* the peers may send to our barrier once all arrived */
   /* Nothing below needs the dependents to wait for us: they may start now and prefetch their
    * own weights on the SMs we leave free or free up. */
   allow_dependents();
@@ -420,7 +474,42 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(&empty[held]);
     }
 
-    /* ---- the CTA's partial sums, over the drained ring ------------------------------------ */
+    /* ---- pushed reduction: ranks 1..C-1 send their accumulators to rank 0 and leave ----- */
+    /* Thread t's fragment goes to floats [(t kBlocks + b) kN / 2, + kN / 2) of the sender's
+     * block, so rank 0's thread t finds its own fragment's partners at the same place. */
+    const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
+    if (kPush && rank > 0) {
+      cluster_wait(); /* rank 0's barrier is initialized and armed */
+      if (active) {
+        const uint32_t dst = cluster_addr(fragment + (uint32_t)(rank - 1) * plan.peer_bytes, 0);
+        const uint32_t bar = cluster_addr(smem_addr(received), 0);
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int i = 0; i < kN / 2; i += 4)
+            st_async_f4(dst + (uint32_t)(b * (kN / 2) + i) * 4, &acc[b][i], bar);
+      }
+      return;
+    }
+    if (kPush && active) {
+      mbar_wait(received, 0);
+      /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
+      for (int c = 1; c < p.cluster; ++c) {
+        const uint32_t from = fragment + (uint32_t)(c - 1) * plan.peer_bytes;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int i = 0; i < kN / 2; i += 4) {
+            const float4 v = lds_f4(from + (uint32_t)(b * (kN / 2) + i) * 4);
+            acc[b][i] += v.x;
+            acc[b][i + 1] += v.y;
+            acc[b][i + 2] += v.z;
+            acc[b][i + 3] += v.w;
+          }
+      }
+    }
+
+    /* ---- the CTA's partial sums (pushed: the tile's sums), over the drained ring ---------- */
     named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
     const int g = lane >> 2, q = lane & 3;
     if (active)
@@ -435,35 +524,42 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   /* ---- reduction across the cluster, rank order 0..C-1, through DSMEM ----------------- */
-  __syncwarp(); /* the .aligned cluster barrier wants each warp converged (roles diverged) */
-  if (p.cluster > 1)
+  __syncwarp(); /* the .aligned cluster barriers want each warp converged (roles diverged) */
+  if constexpr (kPush) {
+    cluster_wait(); /* every thread waits once (the senders' MMA warps did above) */
+    if (rank > 0) return;
+  }
+  /* pushed, rank 0 holds the tile's sums: from here it is a cluster of one */
+  const int cluster = kPush ? 1 : p.cluster;
+  const int part = kPush ? 0 : rank;
+  if (cluster > 1)
     cluster_sync();
   else
     __syncthreads();
   wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
   /* ---- epilogue: this CTA's rows [rank R/C, (rank+1) R/C) of the tile, 4 columns a thread - */
-  const int rows_per_rank = p.tile_n / p.cluster; /* >= 8 */
+  const int rows_per_rank = p.tile_n / cluster; /* >= 8 */
   const int quads = rows_per_rank / 4;
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
     const int tok = i / quads;
-    const int row = rank * rows_per_rank + (i - tok * quads) * 4;
+    const int row = part * rows_per_rank + (i - tok * quads) * 4;
     const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
     float4 v;
-    if (p.cluster > 1) {
-      float4 part[kMaxCluster];
+    if (cluster > 1) {
+      float4 parts[kMaxCluster];
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c)
-        if (c < p.cluster) part[c] = ld_cluster_f4(addr, (uint32_t)c);
-      v = part[0];
+        if (c < cluster) parts[c] = ld_cluster_f4(addr, (uint32_t)c);
+      v = parts[0];
 #pragma unroll
       for (int c = 1; c < kMaxCluster; ++c)
-        if (c < p.cluster) {
-          v.x += part[c].x;
-          v.y += part[c].y;
-          v.z += part[c].z;
-          v.w += part[c].w;
+        if (c < cluster) {
+          v.x += parts[c].x;
+          v.y += parts[c].y;
+          v.z += parts[c].z;
+          v.w += parts[c].w;
         }
     } else {
       v = lds_f4(addr);
@@ -476,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   /* No CTA may leave while a cluster peer still reads its partials. */
-  if (p.cluster > 1) cluster_sync();
+  if (cluster > 1) cluster_sync();
 }
 
 /* ===================================================================================== */
@@ -489,12 +585,15 @@ constexpr int kClusterChoices[] = {1, 2, 4, 8};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 
-KernelFn kernel_for(int groups, int tile_n) {
+KernelFn kernel_for(int groups, int tile_n, int cluster) {
   const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
   switch (groups) {
-    case 2: return two ? ws_gemm_kernel<2, 2> : ws_gemm_kernel<2, 1>;
-    case 4: return two ? ws_gemm_kernel<4, 2> : ws_gemm_kernel<4, 1>;
-    default: return two ? ws_gemm_kernel<8, 2> : ws_gemm_kernel<8, 1>;
+    case 2:
+      if (pushed_reduction(groups, cluster))
+        return two ? ws_gemm_kernel<2, 2, true> : ws_gemm_kernel<2, 1, true>;
+      return two ? ws_gemm_kernel<2, 2, false> : ws_gemm_kernel<2, 1, false>;
+    case 4: return two ? ws_gemm_kernel<4, 2, false> : ws_gemm_kernel<4, 1, false>;
+    default: return two ? ws_gemm_kernel<8, 2, false> : ws_gemm_kernel<8, 1, false>;
   }
 }
 
@@ -592,7 +691,7 @@ bool config_is_sane(const kx_gemm_config &c, int32_t n, int32_t k) {
   if (c.cluster > k / kUnitK) return false;
   if ((int64_t)c.grid != ((int64_t)n + c.tile_n - 1) / c.tile_n * c.cluster) return false;
   for (int groups : kGroupChoices)
-    if (!plan_fits(plan_smem(c.smem_bytes, c.tile_n, groups))) return false;
+    if (!plan_fits(plan_smem(c.smem_bytes, c.tile_n, groups, c.cluster))) return false;
   return true;
 }
 
@@ -619,11 +718,13 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
-    for (int blocks = 1; blocks <= 2; ++blocks) { /* tiles of 64 and 128 rows share a kernel */
-      err = cudaFuncSetAttribute(kernel_for(groups, blocks * kConsumerWarpgroups * kBlockRows),
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-      if (err != cudaSuccess) return err;
-    }
+    for (int blocks = 1; blocks <= 2; ++blocks) /* tiles of 64 and 128 rows share a kernel */
+      for (int cluster : {1, 2}) { /* every kernel: reduce-scattering and (pairs) pushing */
+        const int tile_n = blocks * kConsumerWarpgroups * kBlockRows;
+        err = cudaFuncSetAttribute(kernel_for(groups, tile_n, cluster),
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        if (err != cudaSuccess) return err;
+      }
 
   /* The heuristic, in this order: fewest waves; fewest weight elements per CTA (the critical
    * path when every SM streams at the same rate); the tile order of kTileChoices; the smaller
@@ -633,13 +734,15 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   int best_waves = 0, best_tile = 0, best_cluster = 0;
   int64_t best_grid = 0;
   for (int tile_n : kTileChoices) {
-    bool fits = true;
-    for (int groups : kGroupChoices) fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups));
-    if (!fits) continue;
     for (int cluster : kClusterChoices) {
       if (cluster > k_units) continue;
+      bool fits = true; /* a pushed reduction's received area takes ring stages */
+      for (int groups : kGroupChoices)
+        fits = fits && plan_fits(plan_smem(smem_bytes, tile_n, groups, cluster));
+      if (!fits) continue;
       int resident = 0;
-      err = resident_ctas(kernel_for(kMaxM / 8, tile_n), cluster, smem_bytes, sms, &resident);
+      KernelFn widest = kernel_for(kMaxM / 8, tile_n, cluster);
+      err = resident_ctas(widest, cluster, smem_bytes, sms, &resident);
       if (err != cudaSuccess) {
         cudaGetLastError(); /* an unsupported cluster size is not fatal: skip it */
         continue;
@@ -746,7 +849,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     cfg.stream = stream;
     cfg.attrs = attrs;
     cfg.numAttrs = num_attrs;
-    err = cudaLaunchKernelEx(&cfg, kernel_for(groups, c.tile_n), w_map, x_map, p);
+    err = cudaLaunchKernelEx(&cfg, kernel_for(groups, c.tile_n, c.cluster), w_map, x_map, p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
