@@ -340,8 +340,7 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
                                                uint8_t *dst) {
   uint32_t q[kMxBlock / 4];
   const int e = (int)quantize_block32(v, floor_mode, q) - kE8m0Bias;
-  const int rel_exp = e - ref_exp; /* <= 7; far below the reference the values round to 0 */
-  const float rel = exp2_exact(clamp_e8m0_exponent(rel_exp));
+  const float rel = fold_factor(e, ref_exp);
   uint4 *d = reinterpret_cast<uint4 *>(dst);
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -514,7 +513,7 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
     if (j >= words) break;
-    const float rel = exp2_exact(clamp_e8m0_exponent((int)((w[i] >> 16) & 0xFFu) - ref));
+    const float rel = fold_factor((int)((w[i] >> 16) & 0xFFu), ref); /* both biased */
     reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
         scaled_f16x2((uint32_t)w[i] & 0xFFFFu, rel);
   }
@@ -613,14 +612,13 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
  * sit row_bytes apart (per phase: FC1's per-token rows, FC2's unit blocks). */
 struct UnitOffsets {
   uint32_t weights, scales, act;
-  uint32_t chunk_scale; /* block-scaled hidden rows: the chunk's multiplier */
 };
 
 __device__ __forceinline__ UnitOffsets unit_offsets(int strips, int strip, int k_slot, int nkb, int row_bytes) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, first_unit = strip * nkb + k_slot;
   return UnitOffsets{(uint32_t)(first_unit * kUnitWeightBytes + lane * 8),
                      (uint32_t)(strips * nkb * kUnitWeightBytes + first_unit * kUnitScaleBytes + 2 * g),
-                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t), 0u};
+                     (uint32_t)(kStageActOffset + g * row_bytes + k_slot * kActBlockBytes + 16 * t)};
 }
 
 /* Units of a chunk of nkb k-blocks for the warp at k_slot (warp-uniform); k-step 2^step_log2. */
@@ -634,12 +632,13 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). kChunkScale: the chunk's sums take
- * the multiplier its activation producer left in the stage (block-scaled hidden rows).
+ * the multiplier its activation producer left at chunk_scale (block-scaled hidden rows).
  * kOneToken: MMA column 0 (the launch's token) is the only one read, so the others are
  * not summed. */
 template <int kUnits, int kStep, bool kChunkScale, bool kOneToken, bool kPartial = false>
-__device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o, uint64_t *empty,
-                                              float (&acc)[4], int units = kUnits) {
+__device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o,
+                                              uint32_t chunk_scale_at, uint64_t *empty, float (&acc)[4],
+                                              int units = kUnits) {
   if constexpr (kUnits == 0) {
     mbar_arrive(empty);
   } else {
@@ -653,7 +652,7 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       b[j] = lds128(act + j * kStep * kActBlockBytes);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
     }
-    const float chunk_scale = kChunkScale ? lds32f(act_base + o.chunk_scale) : 1.0f;
+    const float chunk_scale = kChunkScale ? lds32f(act_base + chunk_scale_at) : 1.0f;
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* kChunkScale: this chunk's sums */
     float (&sums)[4] = kChunkScale ? part : acc;
     /* every lane releases its own loads (an arrive is a release): no warp-wide sync or
@@ -700,6 +699,7 @@ struct ConsumerPlan {
   int k_step, units, full_chunks, last_units;
   bool short_last;
   UnitOffsets full, last;
+  uint32_t chunk_scale; /* block-scaled hidden rows: where a stage holds the chunk's multiplier */
   uint32_t x_local, chunk_act_bytes; /* local x: its shared address, and how far a chunk's blocks move it */
 };
 
@@ -718,7 +718,7 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   const int row_bytes = fc1 ? kActRowBytes : block_row_bytes(ph);
   cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
   cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
-  cp.full.chunk_scale = cp.last.chunk_scale = kStageActOffset + (fc1 ? 0 : chunk_scale_offset(ph));
+  cp.chunk_scale = kStageActOffset + (fc1 ? 0 : chunk_scale_offset(ph));
   if (kLocalX && fc1) {
     /* B row g is launch token g (rows past the launch's read token 0's, and their columns
      * are never read): the MMA columns are the launch's tokens, whatever the unit */
@@ -767,13 +767,14 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
       consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
-                                                           &ring.empty[ring.pos.stage], acc);
+                                                           cp.chunk_scale, &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
-                                                                 &ring.empty[ring.pos.stage], acc, cp.last_units);
+                                                                 cp.chunk_scale, &ring.empty[ring.pos.stage], acc,
+                                                                 cp.last_units);
       ring.pos.advance(kStages);
     }
     hand_off(p, smem, ring, acc);

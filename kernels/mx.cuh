@@ -94,6 +94,12 @@ __device__ __forceinline__ int act_reference_exponent(float row_amax, bool floor
   return mxfp8_exponent(row_amax, floor_mode) - kFoldHeadroomLog2; /* <= 113 for finite fp32: 2^(R + 14) is finite */
 }
 
+/* A block's factor in a fold, 2^(e - R) for its exponent e and the fold's reference R: <= 2^7
+ * by the choice of R; blocks more than 127 binades below R get 2^-127 (they round to 0 in f16). */
+__device__ __forceinline__ float fold_factor(int block_exp, int ref_exp) {
+  return exp2_exact(clamp_e8m0_exponent(block_exp - ref_exp));
+}
+
 /* A row's multiplier for its sums, 2^(R + 14) (above and decode_fp4x8). */
 __device__ __forceinline__ float row_multiplier(int ref_exp) { return exp2_exact(ref_exp + kFp4AsF16GainLog2); }
 
