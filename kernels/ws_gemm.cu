@@ -208,14 +208,8 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-/* All threads of all CTAs of the cluster; release/acquire orders the shared-memory partials. */
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-/* The same barrier, split (pushed reduction): every thread arrives once after the barriers are
- * initialized and waits once before it writes to another CTA's shared memory (or leaves). */
+/* The cluster barrier, split (pushed reduction): every thread arrives once after the barriers
+ * are initialized and waits once before it writes to another CTA's shared memory (or leaves). */
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 }
@@ -223,11 +217,27 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+/* All threads of all CTAs of the cluster; release/acquire orders the shared-memory partials. */
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
 /* The address `addr` of this CTA's shared memory has in CTA `rank` of the cluster. */
 __device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
   return remote;
+}
+
+/* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr(addr, rank))
+               : "memory");
+  return v;
 }
 
 /* 16 bytes into another CTA's shared memory, counted in bytes on its mbarrier there; the
@@ -242,17 +252,6 @@ __device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-/* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
-  uint32_t remote;
-  float4 v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-  return v;
-}
 
 __device__ __forceinline__ float4 lds_f4(uint32_t addr) {
   float4 v;
