@@ -47,7 +47,8 @@
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
  *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
- *     kernels compile as they did alone). Pushed (pairs at M <= 32): rank 1 sends its fp32
+ *     kernels compile as they did alone). Pushed (pairs, but not tiles of 128 or 256 rows at M = 64):
+ *     rank 1 sends its fp32
  *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
  *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
  *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
@@ -123,11 +124,12 @@ static_assert(kThreads <= 1024, "one CTA");
 
 /* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
  * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
- * barriers. Measured on the H200 (sessions 25-26), the push wins for pairs at M <= 32 when rank
- * 0 streams the larger part of K (k_range); with more CTAs it is slower (+0.15 to +1.5 us: rank
- * 0 waits for and writes more, and the received area takes ring stages). */
-__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t cluster) {
-  return groups <= 4 && cluster == 2;
+ * barriers. Measured on the H200 (sessions 25-26), the push wins for pairs once rank 0 streams
+ * the larger part of K (k_range), except at M = 64 with tiles of 128 rows and more (the received
+ * area, 32 KB and more, takes two ring stages and more: +1.5 us without PDL); with more CTAs it
+ * is slower (+0.15 to +1.5 us: rank 0 waits for and writes more). */
+__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t tile_n, int32_t cluster) {
+  return cluster == 2 && (groups <= 4 || tile_n == 64);
 }
 
 /* Rank `rank`'s K units [*first, *first + *count) of k_units. Even, except in a pair: rank 0
@@ -168,7 +170,7 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
   p.peer_bytes = tile_n * 8 * groups * 4;
-  p.recv_bytes = pushed_reduction(groups, cluster) ? (cluster - 1) * p.peer_bytes : 0;
+  p.recv_bytes = pushed_reduction(groups, tile_n, cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
   const int32_t received = p.recv_bytes > 0 ? 16 + p.recv_bytes : 0; /* its barrier, its area */
   const int32_t s = (smem_bytes - kSwizzleAtomBytes - received) / (p.stage_bytes + 16);
@@ -378,7 +380,7 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
- * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, cluster). */
+ * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, tile_n, cluster). */
 template <int kGroups, int kBlocks, bool kPush>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
@@ -604,18 +606,19 @@ constexpr int kClusterChoices[] = {1, 2, 4, 8};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 
-KernelFn kernel_for(int groups, int tile_n, int cluster) {
+template <int kGroups>
+KernelFn kernel_for_groups(int tile_n, int cluster) {
   const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
+  if (pushed_reduction(kGroups, tile_n, cluster))
+    return two ? ws_gemm_kernel<kGroups, 2, true> : ws_gemm_kernel<kGroups, 1, true>;
+  return two ? ws_gemm_kernel<kGroups, 2, false> : ws_gemm_kernel<kGroups, 1, false>;
+}
+
+KernelFn kernel_for(int groups, int tile_n, int cluster) {
   switch (groups) {
-    case 2:
-      if (pushed_reduction(groups, cluster))
-        return two ? ws_gemm_kernel<2, 2, true> : ws_gemm_kernel<2, 1, true>;
-      return two ? ws_gemm_kernel<2, 2, false> : ws_gemm_kernel<2, 1, false>;
-    case 4:
-      if (pushed_reduction(groups, cluster))
-        return two ? ws_gemm_kernel<4, 2, true> : ws_gemm_kernel<4, 1, true>;
-      return two ? ws_gemm_kernel<4, 2, false> : ws_gemm_kernel<4, 1, false>;
-    default: return two ? ws_gemm_kernel<8, 2, false> : ws_gemm_kernel<8, 1, false>;
+    case 2: return kernel_for_groups<2>(tile_n, cluster);
+    case 4: return kernel_for_groups<4>(tile_n, cluster);
+    default: return kernel_for_groups<8>(tile_n, cluster);
   }
 }
 
@@ -740,9 +743,8 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
-    for (int blocks = 1; blocks <= 2; ++blocks) /* tiles of 64 and 128 rows share a kernel */
+    for (int tile_n : kTileChoices)
       for (int cluster : {1, 2}) { /* every kernel: reduce-scattering and (pairs) pushing */
-        const int tile_n = blocks * kConsumerWarpgroups * kBlockRows;
         err = cudaFuncSetAttribute(kernel_for(groups, tile_n, cluster),
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (err != cudaSuccess) return err;
