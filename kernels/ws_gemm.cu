@@ -19,21 +19,24 @@
  *   stream: the launch, the pipeline fill, the split-K reduction and the epilogue.
  *   - Grid. One CTA per SM (it takes all 227 KB of shared memory), clusters of C CTAs. A cluster
  *     owns a tile of R = tile_n rows of W (64, 128 or 256); its C CTAs split K into C contiguous
- *     ranges of 64-wide "units". kx_gemm_configure picks (R, C) deterministically: fewest waves
- *     (each wave pays the pipeline fill and the reduction again), then fewest weight bytes per CTA
- *     (= most SMs streaming), then R = 128 before 256 before 64 (x is re-read once per tile,
- *     partial sums grow with R), then the smaller cluster (cheaper reduction).
- *     N=4096, K=7168 on the H200 -> R=64, C=2: 64 clusters x 2 = 128 CTAs of 64 rows x 3584 k
- *     (458 KB); R=128, C=4 streams the same bytes per CTA, but fewer than 128 CTAs of 4-CTA
- *     clusters fit at once (a second wave: 22.7 us instead of 17.1 in a dev harness).
+ *     ranges of 64-wide "units" (k_range: equal, except that in a pair rank 0 streams 5/8 of K,
+ *     so that rank 1 finishes early and its SM takes the next launch's CTA). kx_gemm_configure
+ *     picks (R, C) deterministically: fewest waves (each wave pays the pipeline fill and the
+ *     reduction again), then fewest weight bytes per CTA (= most SMs streaming), then R = 128
+ *     before 256 before 64 (x is re-read once per tile, partial sums grow with R), then the smaller
+ *     cluster (cheaper reduction).
+ *     N=4096, K=7168 on the H200 -> R=64, C=2: 64 clusters x 2 = 128 CTAs of 64 rows x 4480 k
+ *     (rank 0, 573 KB) or 2688 k (rank 1, 344 KB); R=128, C=4 streams fewer bytes per CTA, but
+ *     fewer than 128 CTAs of 4-CTA clusters fit at once (a second wave: 22.7 us instead of 17.1
+ *     in a dev harness).
  *   - Pipeline. One producer lane issues TMA tensor copies (cp.async.bulk.tensor, 128B swizzle) of
  *     one unit per stage: W[R rows x 64 k] and x[8G tokens x 64 k] (rows past N or M are zero-filled
  *     by the TMA), into a ring of stages guarded by full/empty mbarriers; two consumer warpgroups
  *     run the MMAs. One copy per R x 128 bytes of weights (8-32 KB) keeps the producer's work small.
  *   - Weight-stationary + programmatic dependent launch. The kernel triggers its dependents at once
  *     (griddepcontrol.launch_dependents), and the producer fills EVERY ring stage with weights
- *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 112 KB (M = 64) of a 458 KB slice
- *     is requested while the predecessor still runs. Only x (which the predecessor may write) and
+ *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 112 KB (M = 64) of a 344-573
+ *     KB slice is requested while the predecessor still runs. Only x (which the predecessor may write) and
  *     the outputs wait. The rest of the slice streams through the ring afterwards.
  *   - MMA. wgmma m64nNk16 bf16 with both operands read by the tensor core from the TMA's
  *     128B-swizzled tiles as they land (K-major, the layout wgmma's descriptors name directly):
@@ -44,7 +47,8 @@
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
  *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
- *     kernels compile as they did alone). Pushed (pairs at M <= 16): rank 1 sends its fp32
+ *     kernels compile as they did alone). Pushed (pairs, but not tiles of 128 or 256 rows at M = 64):
+ *     rank 1 sends its fp32
  *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
  *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
  *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
@@ -120,11 +124,29 @@ static_assert(kThreads <= 1024, "one CTA");
 
 /* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
  * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
- * barriers. Measured on the H200 (session 25), the push wins only for pairs at M <= 16 (-0.3 to
- * -0.5 us); with more tokens or more CTAs it is slower (+0.15 to +1.5 us: rank 0 waits for and
- * writes more, and the received area takes ring stages). */
-__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t cluster) {
-  return groups == 2 && cluster == 2;
+ * barriers. Measured on the H200 (sessions 25-26), the push wins for pairs once rank 0 streams
+ * the larger part of K (k_range), except at M = 64 with tiles of 128 rows and more (the received
+ * area, 32 KB and more, takes two ring stages and more: +1.5 us without PDL); with more CTAs it
+ * is slower (+0.15 to +1.5 us: rank 0 waits for and writes more). */
+__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t tile_n, int32_t cluster) {
+  return cluster == 2 && (groups <= 4 || tile_n == 64);
+}
+
+/* Rank `rank`'s K units [*first, *first + *count) of k_units. Even, except in a pair: rank 0
+ * streams 5/8 of K, so that rank 1 sends its sums (pushed) and leaves early and its SM takes the
+ * next launch's CTA (session 26: -0.6 to -1.2 us at M <= 32; +0.7 at M = 64, which must split
+ * alike: the summation order may not depend on M, "Batch invariance"). */
+__host__ __device__ inline void k_range(int rank, int k_units, int cluster, int *first,
+                                        int *count) {
+  if (cluster == 2) {
+    int lead = (5 * k_units + 4) / 8;
+    lead = lead < 1 ? 1 : (lead > k_units - 1 ? k_units - 1 : lead);
+    *first = rank == 0 ? 0 : lead;
+    *count = rank == 0 ? lead : k_units - lead;
+    return;
+  }
+  *first = (int)((int64_t)rank * k_units / cluster);
+  *count = (int)((int64_t)(rank + 1) * k_units / cluster) - *first;
 }
 
 /* Shared-memory plan of one launch: [ring of stages][full barriers][empty barriers][the
@@ -148,7 +170,7 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
   p.peer_bytes = tile_n * 8 * groups * 4;
-  p.recv_bytes = pushed_reduction(groups, cluster) ? (cluster - 1) * p.peer_bytes : 0;
+  p.recv_bytes = pushed_reduction(groups, tile_n, cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
   const int32_t received = p.recv_bytes > 0 ? 16 + p.recv_bytes : 0; /* its barrier, its area */
   const int32_t s = (smem_bytes - kSwizzleAtomBytes - received) / (p.stage_bytes + 16);
@@ -358,7 +380,7 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
- * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, cluster). */
+ * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, tile_n, cluster). */
 template <int kGroups, int kBlocks, bool kPush>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
@@ -381,8 +403,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int rank = p.cluster > 1 ? (int)cluster_rank() : 0;
   const int n0 = (int)(blockIdx.x / (uint32_t)p.cluster) * p.tile_n;
   const int k_units = p.k / kUnitK;
-  const int u0 = (int)((int64_t)rank * k_units / p.cluster);
-  const int units = (int)((int64_t)(rank + 1) * k_units / p.cluster) - u0;
+  int u0, units;
+  k_range(rank, k_units, p.cluster, &u0, &units);
 
   const int warp = (int)(threadIdx.x / 32), lane = (int)(threadIdx.x % 32);
   /* Consumer warpgroup wg owns the tile's 64-row blocks wg + 2 b, b < kBlocks; at tile_n = 64
@@ -584,15 +606,19 @@ constexpr int kClusterChoices[] = {1, 2, 4, 8};
 
 using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 
-KernelFn kernel_for(int groups, int tile_n, int cluster) {
+template <int kGroups>
+KernelFn kernel_for_groups(int tile_n, int cluster) {
   const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
+  if (pushed_reduction(kGroups, tile_n, cluster))
+    return two ? ws_gemm_kernel<kGroups, 2, true> : ws_gemm_kernel<kGroups, 1, true>;
+  return two ? ws_gemm_kernel<kGroups, 2, false> : ws_gemm_kernel<kGroups, 1, false>;
+}
+
+KernelFn kernel_for(int groups, int tile_n, int cluster) {
   switch (groups) {
-    case 2:
-      if (pushed_reduction(groups, cluster))
-        return two ? ws_gemm_kernel<2, 2, true> : ws_gemm_kernel<2, 1, true>;
-      return two ? ws_gemm_kernel<2, 2, false> : ws_gemm_kernel<2, 1, false>;
-    case 4: return two ? ws_gemm_kernel<4, 2, false> : ws_gemm_kernel<4, 1, false>;
-    default: return two ? ws_gemm_kernel<8, 2, false> : ws_gemm_kernel<8, 1, false>;
+    case 2: return kernel_for_groups<2>(tile_n, cluster);
+    case 4: return kernel_for_groups<4>(tile_n, cluster);
+    default: return kernel_for_groups<8>(tile_n, cluster);
   }
 }
 
@@ -717,16 +743,16 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   /* All of shared memory: more ring stages = more weights requested before the wait. */
   const int smem_bytes = smem_optin;
   for (int groups : kGroupChoices)
-    for (int blocks = 1; blocks <= 2; ++blocks) /* tiles of 64 and 128 rows share a kernel */
+    for (int tile_n : kTileChoices)
       for (int cluster : {1, 2}) { /* every kernel: reduce-scattering and (pairs) pushing */
-        const int tile_n = blocks * kConsumerWarpgroups * kBlockRows;
         err = cudaFuncSetAttribute(kernel_for(groups, tile_n, cluster),
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         if (err != cudaSuccess) return err;
       }
 
   /* The heuristic, in this order: fewest waves; fewest weight elements per CTA (the critical
-   * path when every SM streams at the same rate); the tile order of kTileChoices; the smaller
+   * path when every SM streams at the same rate; counted for an even split of K, as measured
+   * before k_range gave a pair's rank 0 the larger part); the tile order of kTileChoices; the smaller
    * cluster (earlier in kClusterChoices). */
   const int k_units = k / kUnitK;
   int64_t best_cost = -1;
