@@ -47,11 +47,11 @@
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
  *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
- *     kernels compile as they did alone). Pushed (pairs, but not tiles of 128 or 256 rows at M = 64):
- *     rank 1 sends its fp32
- *     accumulators from registers into rank 0's shared memory (st.async, counted in bytes on an
- *     mbarrier there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds
- *     them and writes the whole tile. Reduce-scattered (otherwise): the warpgroups write their
+ *     kernels compile as they did alone). Pushed (pairs, but not tiles of 128 or 256 rows at
+ *     M = 64): rank 1 sends its fp32 accumulators from registers into rank 0's shared memory
+ *     (st.async, counted in bytes on an mbarrier there) and leaves at once, so its SM takes the
+ *     next launch's CTA early; rank 0 adds them to its own and writes the whole tile from its
+ *     registers. Reduce-scattered (otherwise): the warpgroups write their
  *     partial sums to shared memory (over the drained ring), then between two cluster barriers
  *     rank c sums rows [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared
  *     memory and writes them.
@@ -366,6 +366,16 @@ __host__ __device__ __forceinline__ uint32_t partial_addr(uint32_t slice, int32_
   return slice + 4u * (uint32_t)(tok * (tile_n + kPartialPad) + row);
 }
 
+/* Where accumulator i of consumer lane (g, q) = (lane / 4, lane % 4) of `warp`, warpgroup wg,
+ * block b lies in the tile: its token (the wgmma's column) and its row of W (the wgmma m64nNk16
+ * fragment layout). */
+__device__ __forceinline__ int fragment_token(int i, int q) {
+  return 8 * (i >> 2) + 2 * q + (i & 1);
+}
+__device__ __forceinline__ int fragment_row(int i, int b, int wg, int warp, int g) {
+  return (wg + b * kConsumerWarpgroups) * kBlockRows + 16 * (warp % 4) + g + 8 * ((i >> 1) & 1);
+}
+
 /* One output value: column `col` of token `tok` of this launch. */
 __device__ __forceinline__ void store_column(const Params &p, int tok, int col, float v) {
   if (col >= p.n) return;
@@ -512,47 +522,55 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    if (kPush && active) {
-      mbar_wait(received, 0);
-      /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
-      for (int c = 1; c < p.cluster; ++c) {
-        const uint32_t from = fragment + (uint32_t)(c - 1) * plan.peer_bytes;
+    const int g = lane >> 2, q = lane & 3;
+    if constexpr (kPush) {
+      /* ---- rank 0: the tile's sums, then straight from registers to the outputs ---------- */
+      if (active) {
+        mbar_wait(received, 0);
+        /* deterministic: rank order 0, 1, .., C-1, whoever finished first */
+        for (int c = 1; c < p.cluster; ++c) {
+          const uint32_t from = fragment + (uint32_t)(c - 1) * plan.peer_bytes;
+#pragma unroll
+          for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+            for (int i = 0; i < kN / 2; i += 4) {
+              const float4 v = lds_f4(from + (uint32_t)(b * (kN / 2) + i) * 4);
+              acc[b][i] += v.x;
+              acc[b][i + 1] += v.y;
+              acc[b][i + 2] += v.z;
+              acc[b][i + 3] += v.w;
+            }
+        }
+        wait_for_predecessor(); /* outputs: the predecessor may still read what we overwrite */
 #pragma unroll
         for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-          for (int i = 0; i < kN / 2; i += 4) {
-            const float4 v = lds_f4(from + (uint32_t)(b * (kN / 2) + i) * 4);
-            acc[b][i] += v.x;
-            acc[b][i + 1] += v.y;
-            acc[b][i + 2] += v.z;
-            acc[b][i + 3] += v.w;
+          for (int i = 0; i < kN / 2; ++i) {
+            const int tok = fragment_token(i, q);
+            if (tok < p.m) store_column(p, tok, n0 + fragment_row(i, b, wg, warp, g), acc[b][i]);
           }
       }
+    } else {
+      /* ---- the CTA's partial sums, over the drained ring ----------------------------------- */
+      named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
+      if (active)
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int i = 0; i < kN / 2; ++i)
+            sts_f32(partial_addr(ring, p.tile_n, fragment_token(i, q),
+                                 fragment_row(i, b, wg, warp, g)),
+                    acc[b][i]);
     }
-
-    /* ---- the CTA's partial sums (pushed: the tile's sums), over the drained ring ---------- */
-    named_barrier(kConsumerBarrier, kConsumerWarps * 32); /* nobody reads the ring any more */
-    const int g = lane >> 2, q = lane & 3;
-    if (active)
-#pragma unroll
-      for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-        for (int i = 0; i < kN / 2; ++i)
-          sts_f32(partial_addr(ring, p.tile_n, 8 * (i >> 2) + 2 * q + (i & 1),
-                               (wg + b * kConsumerWarpgroups) * kBlockRows + 16 * (warp % 4) + g +
-                                   8 * ((i >> 1) & 1)),
-                  acc[b][i]);
   }
 
   /* ---- reduction across the cluster, rank order 0..C-1, through DSMEM ----------------- */
   __syncwarp(); /* the .aligned cluster barriers want each warp converged (roles diverged) */
   if constexpr (kPush) {
     cluster_wait(); /* every thread waits once (the senders' MMA warps did above) */
-    if (rank > 0) return;
+    return;
   }
-  /* pushed, rank 0 holds the tile's sums: from here it is a cluster of one */
-  const int cluster = kPush ? 1 : p.cluster;
-  const int part = kPush ? 0 : rank;
+  const int cluster = p.cluster;
   if (cluster > 1)
     cluster_sync();
   else
@@ -565,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
     const int tok = i / quads;
-    const int row = part * rows_per_rank + (i - tok * quads) * 4;
+    const int row = rank * rows_per_rank + (i - tok * quads) * 4;
     const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
     float4 v;
     if (cluster > 1) {
