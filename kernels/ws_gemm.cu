@@ -36,8 +36,8 @@
  *   - Weight-stationary + programmatic dependent launch. The kernel triggers its dependents at once
  *     (griddepcontrol.launch_dependents), and the producer fills EVERY ring stage with weights
  *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 112 KB (M = 64) of a 344-573
- *     KB slice is requested while the predecessor still runs. Only x (which the predecessor may write) and
- *     the outputs wait. The rest of the slice streams through the ring afterwards.
+ *     KB slice is requested while the predecessor still runs. Only x (which the predecessor may
+ *     write) and the outputs wait. The rest of the slice streams through the ring afterwards.
  *   - MMA. wgmma m64nNk16 bf16 with both operands read by the tensor core from the TMA's
  *     128B-swizzled tiles as they land (K-major, the layout wgmma's descriptors name directly):
  *     64 weight rows on its M side, all 8G token rows of the launch on its N side (N = 16, 32 or
@@ -51,10 +51,10 @@
  *     M = 64): rank 1 sends its fp32 accumulators from registers into rank 0's shared memory
  *     (st.async, counted in bytes on an mbarrier there) and leaves at once, so its SM takes the
  *     next launch's CTA early; rank 0 adds them to its own and writes the whole tile from its
- *     registers. Reduce-scattered (otherwise): the warpgroups write their
- *     partial sums to shared memory (over the drained ring), then between two cluster barriers
- *     rank c sums rows [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared
- *     memory and writes them.
+ *     registers. Reduce-scattered (otherwise): the warpgroups write their partial sums to shared
+ *     memory (over the drained ring), then between two cluster barriers rank c sums rows
+ *     [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared memory and writes
+ *     them.
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
@@ -125,17 +125,19 @@ static_assert(kThreads <= 1024, "one CTA");
 /* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
  * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
  * barriers. Measured on the H200 (sessions 25-26), the push wins for pairs once rank 0 streams
- * the larger part of K (k_range), except at M = 64 with tiles of 128 rows and more (the received
- * area, 32 KB and more, takes two ring stages and more: +1.5 us without PDL); with more CTAs it
- * is slower (+0.15 to +1.5 us: rank 0 waits for and writes more). */
+ * the larger part of K (k_range), except at M = 64 with tiles of 128 rows and more (there the
+ * received area, 32 KB and more, takes two ring stages and more: no gain with PDL, +1.5 us
+ * without, before rank 0 wrote from registers); with more CTAs it is slower (+0.15 to +1.5 us in
+ * session 25: rank 0 waits for and writes more). */
 __host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t tile_n, int32_t cluster) {
   return cluster == 2 && (groups <= 4 || tile_n == 64);
 }
 
 /* Rank `rank`'s K units [*first, *first + *count) of k_units. Even, except in a pair: rank 0
  * streams 5/8 of K, so that rank 1 sends its sums (pushed) and leaves early and its SM takes the
- * next launch's CTA (session 26: -0.6 to -1.2 us at M <= 32; +0.7 at M = 64, which must split
- * alike: the summation order may not depend on M, "Batch invariance"). */
+ * next launch's CTA (session 26, against an even split: -0.6 to -1.2 us at M <= 32; +0.7 at
+ * M = 64 reduce-scattered, which must split alike: the summation order may not depend on M,
+ * "Batch invariance"). */
 __host__ __device__ inline void k_range(int rank, int k_units, int cluster, int *first,
                                         int *count) {
   if (cluster == 2) {
@@ -770,8 +772,8 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
 
   /* The heuristic, in this order: fewest waves; fewest weight elements per CTA (the critical
    * path when every SM streams at the same rate; counted for an even split of K, as measured
-   * before k_range gave a pair's rank 0 the larger part); the tile order of kTileChoices; the smaller
-   * cluster (earlier in kClusterChoices). */
+   * before k_range gave a pair's rank 0 the larger part); the tile order of kTileChoices; the
+   * smaller cluster (earlier in kClusterChoices). */
   const int k_units = k / kUnitK;
   int64_t best_cost = -1;
   int best_waves = 0, best_tile = 0, best_cluster = 0;
