@@ -8,7 +8,8 @@
  *
  * 1. correctness against a double-precision host reference: plain and split epilogues, odd N,
  *    M across the launch boundaries (1..130), strided outputs, untouched padding and gap
- *    columns, no -0.0 written; 2. bitwise determinism and batch invariance; 3. timing: CUDA graph
+ *    columns, no -0.0 written; every (tile_n, cluster) forced, including those the heuristic
+ *    never picks; 2. bitwise determinism and batch invariance; 3. timing: CUDA graph
  *    of 8 GEMMs over 8 weight copies (L2 cannot serve them), median of replays / 8, with and
  *    without programmatic dependent launch, beside cuBLAS (with -DWITH_CUBLAS) and the HBM floor
  *    (kx_probe_read over 4 GiB); 4. a (small WsGemm -> big WsGemm) chain: pair vs sum alone.
@@ -62,7 +63,10 @@ struct Dev {
 };
 
 /* ---- correctness --------------------------------------------------------------------- */
-static void check_case(int n, int k, int m, bool split, uint32_t seed) {
+/* force_tile / force_cluster (0: kx_gemm_configure's choice) run a configuration the heuristic
+ * may never pick on this GPU, so that every kernel instantiation is checked. */
+static void check_case(int n, int k, int m, bool split, uint32_t seed, int force_tile = 0,
+                       int force_cluster = 0) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<uint16_t> w((size_t)n * k), x((size_t)m * k);
@@ -76,7 +80,12 @@ static void check_case(int n, int k, int m, bool split, uint32_t seed) {
   kx_gemm_config cfg;
   int dev = 0;
   CHECK(cudaGetDevice(&dev));
-  CHECK(kx_gemm_configure(n, k, dev, &cfg));
+  CHECK(kx_gemm_configure(n, k, dev, &cfg)); /* also sets every kernel's shared-memory limit */
+  if (force_tile > 0) {
+    cfg.tile_n = force_tile;
+    cfg.cluster = force_cluster;
+    cfg.grid = (n + force_tile - 1) / force_tile * force_cluster;
+  }
   const int64_t xs = k + 8, ys = n + 5; /* strided x and outputs */
   std::vector<uint16_t> xh((size_t)m * xs, 0);
   for (int r = 0; r < m; ++r) memcpy(&xh[(size_t)r * xs], &x[(size_t)r * k], (size_t)k * 2);
@@ -333,6 +342,11 @@ int main(int argc, char **argv) {
   for (auto nk : {std::make_pair(1024, 7168), std::make_pair(4096, 7168), std::make_pair(7168, 2048)})
     for (int m : quick ? std::vector<int>{1, 32, 64} : std::vector<int>{1, 9, 32, 64, 65})
       for (bool split : {false, true}) check_case(nk.first, nk.second, m, split, seed++);
+  printf("every (tile_n, cluster), forced:\n");
+  for (int tile : {64, 128, 256})
+    for (int cluster : {1, 2, 4, 8})
+      for (int m : quick ? std::vector<int>{1, 33, 64} : std::vector<int>{1, 16, 17, 33, 64})
+        check_case(1000, 1024, m, m % 2 == 0, seed++, tile, cluster);
   printf("determinism:\n");
   check_invariance(300, 640);
   check_invariance(4096, 7168);
