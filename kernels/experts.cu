@@ -144,6 +144,7 @@ KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x
  * 2^40 calls apart. The words sit at the same offset for every shape (scratch_layout), so
  * no other shape's data can ever be read there as a tag. */
 constexpr int kHandoffWordsPerBlock = kMxBlock / 2;
+constexpr int kHandoffScaleShift = 16;
 constexpr int kHandoffTagShift = 24;
 constexpr int kHandoffBlocks = 4096; /* units (<= K) x I / 32 of a one-token launch: K x I <= 131072 */
 KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s) { return s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks; }
@@ -367,6 +368,11 @@ __device__ __forceinline__ uint32_t quantize_lanes(float v, bool floor_mode, uin
  * w % 4's 16 bytes, word w / 4). */
 __device__ __forceinline__ int handoff_fragment_word(int w) { return (w % 4) * 4 + w / 4; }
 
+/* The block's biased E8M0 scale in a tagged hand-off word. */
+__device__ __forceinline__ uint32_t handoff_scale(unsigned long long word) {
+  return (uint32_t)(word >> kHandoffScaleShift) & 0xFFu;
+}
+
 /* The warp's block (lane k: element k) quantized and stored as tagged words. */
 __device__ __forceinline__ void store_handoff_block(unsigned long long *words, float v, bool floor_mode,
                                                     unsigned long long call) {
@@ -375,7 +381,7 @@ __device__ __forceinline__ void store_handoff_block(unsigned long long *words, f
   const uint32_t code = quantize_lanes(v, floor_mode, &scale);
   const uint32_t next = __shfl_down_sync(0xFFFFFFFFu, code, 1);
   if (!(lane & 1))
-    store_relaxed(words + lane / 2, call << kHandoffTagShift | scale << 16 | next << 8 | code);
+    store_relaxed(words + lane / 2, call << kHandoffTagShift | scale << kHandoffScaleShift | next << 8 | code);
 }
 
 /* Shared-memory loads issued in program order (volatile), so a warp's units arrive one
@@ -506,14 +512,14 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     if (lane + 32 * i >= words) break;
-    top = max(top, (uint32_t)(w[i] >> 16) & 0xFFu);
+    top = max(top, handoff_scale(w[i]));
   }
   const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - kFoldHeadroomLog2, 0);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
     if (j >= words) break;
-    const float rel = fold_factor((int)((w[i] >> 16) & 0xFFu), ref); /* both biased */
+    const float rel = fold_factor((int)handoff_scale(w[i]), ref); /* both biased */
     reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
         scaled_f16x2((uint32_t)w[i] & 0xFFFFu, rel);
   }
