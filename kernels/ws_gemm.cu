@@ -572,15 +572,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     cluster_wait(); /* every thread waits once (the senders' MMA warps did above) */
     return;
   }
-  const int cluster = p.cluster;
-  if (cluster > 1)
+  if (p.cluster > 1)
     cluster_sync();
   else
     __syncthreads();
   wait_for_predecessor(); /* outputs: the predecessor may still read the buffers we overwrite */
 
   /* ---- epilogue: this CTA's rows [rank R/C, (rank+1) R/C) of the tile, 4 columns a thread - */
-  const int rows_per_rank = p.tile_n / cluster; /* >= 8 */
+  const int rows_per_rank = p.tile_n / p.cluster; /* >= 8 */
   const int quads = rows_per_rank / 4;
   const int items = p.m * quads;
   for (int i = (int)threadIdx.x; i < items; i += kThreads) {
@@ -588,15 +587,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row = rank * rows_per_rank + (i - tok * quads) * 4;
     const uint32_t addr = partial_addr(ring, p.tile_n, tok, row);
     float4 v;
-    if (cluster > 1) {
+    if (p.cluster > 1) {
       float4 parts[kMaxCluster];
 #pragma unroll
       for (int c = 0; c < kMaxCluster; ++c)
-        if (c < cluster) parts[c] = ld_cluster_f4(addr, (uint32_t)c);
+        if (c < p.cluster) parts[c] = ld_cluster_f4(addr, (uint32_t)c);
       v = parts[0];
 #pragma unroll
       for (int c = 1; c < kMaxCluster; ++c)
-        if (c < cluster) {
+        if (c < p.cluster) {
           v.x += parts[c].x;
           v.y += parts[c].y;
           v.z += parts[c].z;
@@ -613,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   /* No CTA may leave while a cluster peer still reads its partials. */
-  if (cluster > 1) cluster_sync();
+  if (p.cluster > 1) cluster_sync();
 }
 
 /* ===================================================================================== */
