@@ -350,7 +350,7 @@ int main(int argc, char **argv) {
   printf("determinism:\n");
   check_invariance(300, 640);
   check_invariance(4096, 7168);
-  check_invariance(7168, 2048); /* pairs pushed at M <= 32, reduce-scattered at M = 64 */
+  check_invariance(7168, 2048); /* tiles of 128 rows, pushed at every M */
   printf("correctness: %s\n", failures ? "SOME FAILED" : "all ok");
   if (check_only) return failures ? 1 : 0;
 

@@ -47,8 +47,7 @@
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
  *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
- *     kernels compile as they did alone). Pushed (pairs, but not tiles of 128 or 256 rows at
- *     M = 64): rank 1 sends its fp32 accumulators from registers into rank 0's shared memory
+ *     kernels compile as they did alone). Pushed (pairs): rank 1 sends its fp32 accumulators from registers into rank 0's shared memory
  *     (st.async, counted in bytes on an mbarrier there) and leaves at once, so its SM takes the
  *     next launch's CTA early; rank 0 adds them to its own and writes the whole tile from its
  *     registers. Reduce-scattered (otherwise): the warpgroups write their partial sums to shared
@@ -124,20 +123,17 @@ static_assert(kThreads <= 1024, "one CTA");
 
 /* How the cluster's CTAs combine their partial sums (the kernel comment, "Reduction"): pushed to
  * rank 0, which sums them while the others leave, or reduce-scattered between two cluster
- * barriers. Measured on the H200 (sessions 25-26), the push wins for pairs once rank 0 streams
- * the larger part of K (k_range), except at M = 64 with tiles of 128 rows and more (there the
- * received area, 32 KB and more, takes two ring stages and more: no gain with PDL, +1.5 us
- * without, before rank 0 wrote from registers); with more CTAs it is slower (+0.15 to +1.5 us in
- * session 25: rank 0 waits for and writes more). */
-__host__ __device__ inline bool pushed_reduction(int32_t groups, int32_t tile_n, int32_t cluster) {
-  return cluster == 2 && (groups <= 4 || tile_n == 64);
-}
+ * barriers. Measured on the H200 (sessions 25-27), the push wins for pairs once rank 0 streams
+ * the larger part of K (k_range) and writes the tile from its registers, at every M and tile
+ * (session 27, the last case: (7168, 2048) M = 64, tiles of 128 rows, -1.3 us); with more CTAs
+ * it is slower (+0.15 to +1.5 us in session 25: rank 0 waits for and writes more). */
+__host__ __device__ inline bool pushed_reduction(int32_t cluster) { return cluster == 2; }
 
 /* Rank `rank`'s K units [*first, *first + *count) of k_units. Even, except in a pair: rank 0
  * streams 5/8 of K, so that rank 1 sends its sums (pushed) and leaves early and its SM takes the
- * next launch's CTA (session 26, against an even split: -0.6 to -1.2 us at M <= 32; +0.7 at
- * M = 64 reduce-scattered, which must split alike: the summation order may not depend on M,
- * "Batch invariance"). */
+ * next launch's CTA (session 26, against an even split: -0.6 to -1.2 us at M <= 32; slower at
+ * M = 64, which must split alike: the summation order may not depend on M, "Batch invariance";
+ * 9/16 measured in session 27: -0.5 us at M = 64, +0.65 at M <= 16). */
 __host__ __device__ inline void k_range(int rank, int k_units, int cluster, int *first,
                                         int *count) {
   if (cluster == 2) {
@@ -172,7 +168,7 @@ __host__ __device__ inline SmemPlan plan_smem(int32_t smem_bytes, int32_t tile_n
   p.x_bytes = 8 * groups * kUnitRowBytes;
   p.stage_bytes = p.w_bytes + p.x_bytes;
   p.peer_bytes = tile_n * 8 * groups * 4;
-  p.recv_bytes = pushed_reduction(groups, tile_n, cluster) ? (cluster - 1) * p.peer_bytes : 0;
+  p.recv_bytes = pushed_reduction(cluster) ? (cluster - 1) * p.peer_bytes : 0;
   /* two 8-byte mbarriers per stage; kSwizzleAtomBytes of slack to align the ring */
   const int32_t received = p.recv_bytes > 0 ? 16 + p.recv_bytes : 0; /* its barrier, its area */
   const int32_t s = (smem_bytes - kSwizzleAtomBytes - received) / (p.stage_bytes + 16);
@@ -392,7 +388,7 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
  * warpgroup (1 for tile_n 64 or 128, 2 for 256), compile-time so that no wgmma sits behind a
- * branch (the compiler would serialize them); kPush: pushed_reduction(kGroups, tile_n, cluster). */
+ * branch (the compiler would serialize them); kPush: pushed_reduction(cluster). */
 template <int kGroups, int kBlocks, bool kPush>
 __global__ void __launch_bounds__(kThreads, 1)
     ws_gemm_kernel(const __grid_constant__ CUtensorMap w_map,
@@ -628,7 +624,7 @@ using KernelFn = void (*)(CUtensorMap, CUtensorMap, Params);
 template <int kGroups>
 KernelFn kernel_for_groups(int tile_n, int cluster) {
   const bool two = tile_n > kConsumerWarpgroups * kBlockRows; /* 2 blocks per warpgroup */
-  if (pushed_reduction(kGroups, tile_n, cluster))
+  if (pushed_reduction(cluster))
     return two ? ws_gemm_kernel<kGroups, 2, true> : ws_gemm_kernel<kGroups, 1, true>;
   return two ? ws_gemm_kernel<kGroups, 2, false> : ws_gemm_kernel<kGroups, 1, false>;
 }

@@ -185,10 +185,11 @@ def test_deterministic(kx, weights):
     sync_or_die("gemm determinism")
 
 
-@pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (256, 64), (20000, 256)], ids=str)
+@pytest.mark.parametrize("N,K", [(4096, 7168), (7168, 2048), (1024, 7168), (256, 64), (20000, 256)],
+                         ids=str)
 def test_batch_invariant(kx, weights, N, K):
     """A token's row is bit-identical whatever batch it runs in (each wgmma token width, each
-    tile height, pushed and reduce-scattered pairs: (7168, 2048) pushes at M <= 32 only): the
+    tile height, pushed pairs and reduce-scattered clusters: (1024, 7168) runs clusters of 8): the
     kernel header and kimi_kernels.h promise it."""
     W = weights(N, K)
     x = make_gemm_inputs(64, N, K, seed_of("gpu-gemm-invariant", N, K), DEV)[0]
