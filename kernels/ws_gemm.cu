@@ -47,13 +47,13 @@
  *     the second one idle) and reads every stage.
  *   - Reduction, deterministic: rank order 0..C-1, whoever finishes first; two ways, which
  *     pushed_reduction picks by measurement (a template parameter, so the reduce-scattering
- *     kernels compile as they did alone). Pushed (pairs): rank 1 sends its fp32 accumulators from registers into rank 0's shared memory
- *     (st.async, counted in bytes on an mbarrier there) and leaves at once, so its SM takes the
- *     next launch's CTA early; rank 0 adds them to its own and writes the whole tile from its
- *     registers. Reduce-scattered (otherwise): the warpgroups write their partial sums to shared
- *     memory (over the drained ring), then between two cluster barriers rank c sums rows
- *     [c R/C, (c+1) R/C) of all C CTAs' partials through distributed shared memory and writes
- *     them.
+ *     kernels compile as they did alone). Pushed (pairs): rank 1 sends its fp32 accumulators
+ *     from registers into rank 0's shared memory (st.async, counted in bytes on an mbarrier
+ *     there) and leaves at once, so its SM takes the next launch's CTA early; rank 0 adds them to
+ *     its own and writes the whole tile from its registers. Reduce-scattered (no cluster, or 4 or
+ *     8 CTAs): the warpgroups write their partial sums to shared memory (over the drained ring),
+ *     then between two cluster barriers rank c sums rows [c R/C, (c+1) R/C) of all C CTAs'
+ *     partials through distributed shared memory and writes them.
  *   - Batch invariance. Tokens always sit in the same MMA column (token i -> column i of its
  *     64-row block) and the summation order depends only on (N, K, config), never on M, timing
  *     or the token's neighbours: a token's output is bit-identical at every batch size (the
