@@ -277,6 +277,14 @@ struct Params {
 };
 
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
+/* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
+ * warp: one-token launches (block-scaled hidden rows) with one MMA warp per FC2 strip, so no
+ * partial sums to add, and no combine (its counters are the epilogue warps'). The hop
+ * through an epilogue warp is the call's last step there: ~3 % of B = 1 (session 28). */
+__device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
+  return one_token && p.fc2.strips == kConsumerWarps && p.route_weights == nullptr;
+}
+
 __device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
   return (int64_t)c * p.hidden_rows + row;
 }
@@ -707,10 +715,11 @@ struct ConsumerPlan {
   UnitOffsets full, last;
   uint32_t chunk_scale; /* block-scaled hidden rows: where a stage holds the chunk's multiplier */
   uint32_t x_local, chunk_act_bytes; /* local x: its shared address, and how far a chunk's blocks move it */
+  int phase_base;                    /* global index of the phase's first tile (FC2: FC1's tile count) */
 };
 
 template <bool kLocalX>
-__device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *smem, bool fc1) {
+__device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *smem, bool fc1, int phase_base) {
   const PhaseShape &ph = fc1 ? p.fc1 : p.fc2;
   const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
   const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
@@ -733,6 +742,7 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   }
   cp.x_local = smem_addr(smem + p.smem.x_local);
   cp.chunk_act_bytes = ph.chunk_kb * kActBlockBytes;
+  cp.phase_base = phase_base;
   return cp;
 }
 
@@ -756,6 +766,33 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
   ring.epilogue.advance(kEpilogueWarps);
 }
 
+/* The slots of the launch's one token that routed it to FC2 tile `index`'s expert (a mask
+ * over the K slots), and the tile's first output column for this warp's strip. */
+__device__ __forceinline__ uint32_t token_slots(const Params &p, uint8_t *smem, int unit) {
+  const int16_t *pair_expert = reinterpret_cast<const int16_t *>(smem + p.smem.pair_expert);
+  const int expert = reinterpret_cast<const uint16_t *>(smem + p.smem.expert_id)
+      [reinterpret_cast<const uint16_t *>(smem + p.smem.unit_expert)[unit]];
+  uint32_t slots = 0;
+  for (int j = 0; j < p.shape.top_k; ++j) slots |= (uint32_t)(pair_expert[j] == expert) << j;
+  return slots;
+}
+
+/* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
+ * strip: no partial sums to add). Lanes t = 0 hold MMA column 0 (the token): rows g and
+ * g + 8. The values are store_fc2_sums' bit for bit (0 + sum, times the row multiplier). */
+__device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint32_t slots, const float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  if (lane & 3) return;
+  const int col = (tile * kConsumerWarps + (int)(threadIdx.x >> 5)) * kStripRows + (lane >> 2);
+  const float mult = row_multiplier(0);
+  const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult), hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
+  for (uint32_t m = slots; m != 0; m &= m - 1) {
+    __nv_bfloat16 *row = p.out + ((int64_t)p.tok0 * K + (__ffs(m) - 1)) * p.out_ld + col;
+    row[0] = lo;
+    row[8] = hi;
+  }
+}
+
 /* This CTA's tiles index, index + grid, ... < end, all of one phase: the loop holds no
  * per-tile dispatch, division or phase lookup (ncu, v10 at B = 8: the per-chunk
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
@@ -766,8 +803,11 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
                                                     int index, int end, ConsumerRing &ring) {
   static_assert(kLocalXMaxTokens == 1, "local x and block-scaled hidden rows mean one token");
   constexpr bool kOneToken = kLocalX || kChunkScale;
+  const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
   for (; index < end; index += gridDim.x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int i = index - cp.phase_base, unit = direct ? p.fc2.per_tiles(i) : 0;
+    const uint32_t slots = direct ? token_slots(p, smem, unit) : 0; /* before the chunks: off the tail */
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
@@ -783,7 +823,8 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
                                                                  cp.last_units);
       ring.pos.advance(kStages);
     }
-    hand_off(p, smem, ring, acc);
+    if (direct) store_token_rows(p, i - unit * p.fc2.tiles, slots, acc);
+    else hand_off(p, smem, ring, acc);
   }
 }
 
@@ -803,9 +844,9 @@ __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t 
  * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
  * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. */
 template <bool kLocalX>
-__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int index, int end,
-                                              ConsumerRing &ring) {
-  const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1);
+__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int phase_base, int index,
+                                              int end, ConsumerRing &ring) {
+  const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, phase_base);
   constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
     consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, cp, index, end, ring);
@@ -1033,7 +1074,8 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
-  for (int index = blockIdx.x; index < total_tiles; index += gridDim.x, slot.advance(kEpilogueWarps)) {
+  const int end = fc2_rows_by_mma_warps(p, block_scaled_hidden(kLocalX)) ? fc1_tiles : total_tiles;
+  for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(kEpilogueWarps)) {
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
@@ -1221,7 +1263,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
-      consume_phase<kLocalX>(p, smem, fc1, fc1 ? (int)blockIdx.x : first_fc2, fc1 ? fc1_tiles : total_tiles, ring);
+      consume_phase<kLocalX>(p, smem, fc1, fc1 ? 0 : fc1_tiles, fc1 ? (int)blockIdx.x : first_fc2,
+                             fc1 ? fc1_tiles : total_tiles, ring);
   }
 }
 
