@@ -276,15 +276,16 @@ struct Params {
   __nv_bfloat16 *y;
 };
 
-/* Block row of chunk c of hidden row `row` (the unit-block layout above). */
 /* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
- * warp: one-token launches (block-scaled hidden rows) with one MMA warp per FC2 strip, so no
- * partial sums to add, and no combine (its counters are the epilogue warps'). The hop
- * through an epilogue warp is the call's last step there: ~3 % of B = 1 (session 28). */
+ * warp: one-token launches (block-scaled hidden rows) with one MMA warp per FC2 strip, so
+ * there are no partial sums to add, and no combine (its counters are the epilogue warps').
+ * The hop through an epilogue warp is the call's last step there (session 28: -2.3 % at
+ * B = 1 without it). */
 __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
   return one_token && p.fc2.strips == kConsumerWarps && p.route_weights == nullptr;
 }
 
+/* Block row of chunk c of hidden row `row` (the unit-block layout above). */
 __device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
   return (int64_t)c * p.hidden_rows + row;
 }
@@ -766,8 +767,8 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
   ring.epilogue.advance(kEpilogueWarps);
 }
 
-/* The slots of the launch's one token that routed it to FC2 tile `index`'s expert (a mask
- * over the K slots), and the tile's first output column for this warp's strip. */
+/* The slots (a mask over the K slots) that routed the launch's one token to unit `unit`'s
+ * expert. */
 __device__ __forceinline__ uint32_t token_slots(const Params &p, uint8_t *smem, int unit) {
   const int16_t *pair_expert = reinterpret_cast<const int16_t *>(smem + p.smem.pair_expert);
   const int expert = reinterpret_cast<const uint16_t *>(smem + p.smem.expert_id)
@@ -785,7 +786,8 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
   if (lane & 3) return;
   const int col = (tile * kConsumerWarps + (int)(threadIdx.x >> 5)) * kStripRows + (lane >> 2);
   const float mult = row_multiplier(0);
-  const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult), hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
+  const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult);
+  const __nv_bfloat16 hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
   for (uint32_t m = slots; m != 0; m &= m - 1) {
     __nv_bfloat16 *row = p.out + ((int64_t)p.tok0 * K + (__ffs(m) - 1)) * p.out_ld + col;
     row[0] = lo;
