@@ -37,7 +37,8 @@
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
  *      the unit's hidden rows, or (one token) the two take the chunks in turn and poll the
  *      tagged words of each chunk's blocks (the weights are already on their way); bf16
- *      results go to every slot that routed the token there. Combined output: each (token,
+ *      results go to every slot that routed the token there (one token and one MMA warp
+ *      per strip: from the MMA warps themselves, no epilogue). Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA sums the slots in
  *      slot order.
  *   No step cleans up: flags and counters in scratch are compared with the call's number
