@@ -717,11 +717,11 @@ struct ConsumerPlan {
   UnitOffsets full, last;
   uint32_t chunk_scale; /* block-scaled hidden rows: where a stage holds the chunk's multiplier */
   uint32_t x_local, chunk_act_bytes; /* local x: its shared address, and how far a chunk's blocks move it */
-  int phase_base;                    /* global index of the phase's first tile (FC2: FC1's tile count) */
+  int fc1_tiles;                     /* the launch's FC1 tiles: FC2's tile indices start there (tile_ref) */
 };
 
 template <bool kLocalX>
-__device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *smem, bool fc1, int phase_base) {
+__device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *smem, bool fc1, int fc1_tiles) {
   const PhaseShape &ph = fc1 ? p.fc1 : p.fc2;
   const int strips_log2 = __ffs(ph.strips) - 1, step_log2 = kConsumerWarpsLog2 - strips_log2;
   const int warp = threadIdx.x >> 5, strip = warp & (ph.strips - 1), k_slot = warp >> strips_log2;
@@ -744,7 +744,7 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   }
   cp.x_local = smem_addr(smem + p.smem.x_local);
   cp.chunk_act_bytes = ph.chunk_kb * kActBlockBytes;
-  cp.phase_base = phase_base;
+  cp.fc1_tiles = fc1_tiles;
   return cp;
 }
 
@@ -766,17 +766,6 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
   ring.epilogue.advance(kEpilogueWarps);
-}
-
-/* The slots (a mask over the K slots) that routed the launch's one token to unit `unit`'s
- * expert. */
-__device__ __forceinline__ uint32_t token_slots(const Params &p, uint8_t *smem, int unit) {
-  const int16_t *pair_expert = reinterpret_cast<const int16_t *>(smem + p.smem.pair_expert);
-  const int expert = reinterpret_cast<const uint16_t *>(smem + p.smem.expert_id)
-      [reinterpret_cast<const uint16_t *>(smem + p.smem.unit_expert)[unit]];
-  uint32_t slots = 0;
-  for (int j = 0; j < p.shape.top_k; ++j) slots |= (uint32_t)(pair_expert[j] == expert) << j;
-  return slots;
 }
 
 /* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
@@ -802,15 +791,16 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
 template <int kUnits, int kStep, bool kLocalX, bool kChunkScale>
-__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
-                                                    int index, int end, ConsumerRing &ring) {
+__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const Routing &r,
+                                                    const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
   static_assert(kLocalXMaxTokens == 1, "local x and block-scaled hidden rows mean one token");
   constexpr bool kOneToken = kLocalX || kChunkScale;
   const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
   for (; index < end; index += gridDim.x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const int i = index - cp.phase_base, unit = direct ? p.fc2.per_tiles(i) : 0;
-    const uint32_t slots = direct ? token_slots(p, smem, unit) : 0; /* before the chunks: off the tail */
+    const TileRef ref = direct ? tile_ref(p, index, cp.fc1_tiles) : TileRef{};
+    /* the launch's one token's slots, before the chunks: off the tail */
+    const uint32_t slots = direct ? routed_slots(r, 0, p.shape.top_k, r.expert_id[r.unit_expert[ref.unit]]) : 0;
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
@@ -826,20 +816,20 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
                                                                  cp.last_units);
       ring.pos.advance(kStages);
     }
-    if (direct) store_token_rows(p, i - unit * p.fc2.tiles, slots, acc);
+    if (direct) store_token_rows(p, ref.tile, slots, acc);
     else hand_off(p, smem, ring, acc);
   }
 }
 
 template <int kStep, bool kLocalX, bool kChunkScale>
-__device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const ConsumerPlan &cp,
-                                                       int index, int end, ConsumerRing &ring) {
+__device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const Routing &r,
+                                                       const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
-    case 3: consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
-    case 1: consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
+    case 3: consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
+    case 2: consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
+    case 1: consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
+    default: consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
   }
 }
 
@@ -847,18 +837,18 @@ __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t 
  * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
  * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. */
 template <bool kLocalX>
-__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, bool fc1, int phase_base, int index,
-                                              int end, ConsumerRing &ring) {
-  const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, phase_base);
+__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
+                                              int fc1_tiles, int index, int end, ConsumerRing &ring) {
+  const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
   constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
-    consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, cp, index, end, ring);
+    consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
     return;
   }
   switch (cp.k_step) {
-    case 4: consume_phase_by_units<4, false, kScales>(p, smem, cp, index, end, ring); break;
-    case 2: consume_phase_by_units<2, false, kScales>(p, smem, cp, index, end, ring); break;
-    default: consume_phase_by_units<1, false, kScales>(p, smem, cp, index, end, ring); break;
+    case 4: consume_phase_by_units<4, false, kScales>(p, smem, r, cp, index, end, ring); break;
+    case 2: consume_phase_by_units<2, false, kScales>(p, smem, r, cp, index, end, ring); break;
+    default: consume_phase_by_units<1, false, kScales>(p, smem, r, cp, index, end, ring); break;
   }
 }
 
@@ -916,8 +906,7 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
       wait_equal(&p.sync->unit_ready[ref.unit], call);
       tt.mult = __ldcg(&p.h_mult[unit.row0 + lane]);
     }
-    if (!p.route_weights)
-      for (int j = 0; j < K; ++j) tt.slots |= (uint32_t)(r.pair_expert[tt.token * K + j] == unit.expert) << j;
+    if (!p.route_weights) tt.slots = routed_slots(r, tt.token, K, unit.expert);
   }
   return tt;
 }
@@ -1266,7 +1255,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
-      consume_phase<kLocalX>(p, smem, fc1, fc1 ? 0 : fc1_tiles, fc1 ? (int)blockIdx.x : first_fc2,
+      consume_phase<kLocalX>(p, smem, r, fc1, fc1_tiles, fc1 ? (int)blockIdx.x : first_fc2,
                              fc1 ? fc1_tiles : total_tiles, ring);
   }
 }

@@ -82,6 +82,13 @@ __device__ __forceinline__ int nth_set_bit(unsigned long long mask, int n) {
   return __ffsll((long long)mask) - 1;
 }
 
+/* The slots of token t (a mask over its K) that routed it to expert e. */
+__device__ __forceinline__ uint32_t routed_slots(const Routing &r, int t, int K, int e) {
+  uint32_t slots = 0;
+  for (int j = 0; j < K; ++j) slots |= (uint32_t)(r.pair_expert[t * K + j] == e) << j;
+  return slots;
+}
+
 /* Hidden row of (token t, compact expert c). */
 __device__ __forceinline__ int hidden_row(const Routing &r, int c, int t) {
   unsigned long long below = (t == 0) ? 0ull : (r.token_mask[c] & ((1ull << t) - 1));
