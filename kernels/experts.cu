@@ -25,6 +25,8 @@
  *   0. before griddepcontrol.wait: barriers and routing tables cleared (overlaps the
  *      previous kernel under programmatic dependent launch; this launch lets its own
  *      dependents start at once, so they do the same on SMs that ours leave early);
+ *      one-token launches also run their routing and x's quantization once on dummy
+ *      data there, which warms the code of their start (warm_then_run);
  *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or on one
  *      warp when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA
  *      warps quantize their share of x to MXFP8 in scratch and a grid-wide counter says
@@ -1112,12 +1114,13 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
  * per thread over the grid (v22b); a warp per 32 blocks that read its whole row for the
  * reference (v23) took four. */
 template <bool kLocalX>
-__device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_amax) {
+__device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_amax, const __nv_bfloat16 *x,
+                           bool count) {
   const int H = p.shape.hidden, kb_per_row = H / kMxBlock;
   /* local x: every CTA quantizes every row into its own shared memory */
   float *mult = kLocalX ? reinterpret_cast<float *>(smem + p.smem.x_local_mult) : p.x_mult;
   for (int t = kLocalX ? 0 : blockIdx.x, i = 0; t < p.tokens; t += kLocalX ? 1 : gridDim.x, ++i) {
-    const __nv_bfloat16 *row = p.x + t * p.x_ld;
+    const __nv_bfloat16 *row = x + t * p.x_ld;
     uint32_t m = 0; /* |x| bits order like |x|; NaN above all */
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
       float v[kMxBlock];
@@ -1137,25 +1140,56 @@ __device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_ama
     }
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && count) {
     if (!kLocalX) fence_acq_rel_gpu(); /* x's rows go to the other CTAs */
     atomicAdd(&p.sync->xq_ready, 1); /* every call counts: call n's x is in at n * grid */
   }
 }
 
 /* ---- the kernel -------------------------------------------------------------------- */
-/* The routing group's tables for this launch (route.cuh); CTA 0 reports bad ids. */
+/* CTA 0 reports a bad id of the launch (SPEC 7). */
+__device__ __forceinline__ void report_bad_id(const Params &p, int pair, int id) {
+  if (blockIdx.x != 0) return;
+  const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
+  atomicMax(&p.sync->fault, ~key);
+}
+
+/* The routing group's tables for this launch (route.cuh). */
 __device__ __forceinline__ void route_launch(const Params &p, const Routing &r, int route_tid) {
-  const bool reporter = blockIdx.x == 0;
-  const auto report_bad = [&](int pair, int id) {
-    if (!reporter) return;
-    const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
-    atomicMax(&p.sync->fault, ~key);
-  };
+  const auto report_bad = [&](int pair, int id) { report_bad_id(p, pair, id); };
   if (!one_warp_routes(p.tokens, p.shape.top_k))
     route_pairs(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
   else if (route_tid < 32)
     route_one_warp(r, p.ids, p.ids_ld, p.tokens, p.shape.top_k, p.shape.experts, route_tid, report_bad);
+}
+
+/* The routing of a one-token launch by its router warp (one_warp_routes); warm: on dummy
+ * ids in shared memory, reporting nothing (warm_then_run). It writes only entries of the
+ * tables that the real pass rewrites or that this warp's share of routing_clear (e < 32,
+ * t < 32) clears after it. */
+__device__ __forceinline__ void route_one_token(const Params &p, const Routing &r, int lane, bool warm) {
+  int *dummy_ids = r.scan_tmp;
+  if (warm) {
+    dummy_ids[lane] = lane;
+    __syncwarp();
+  }
+  route_one_warp(r, warm ? dummy_ids : p.ids, warm ? p.shape.top_k : p.ids_ld, 1, p.shape.top_k, p.shape.experts,
+                 lane, [&](int pair, int id) { if (!warm) report_bad_id(p, pair, id); });
+}
+
+/* Runs step(true) before the predecessor wait, then step(false) after it, from one call
+ * site. B = 1's start is instruction-fetch bound (session 23's ncu: its blocks stalled on
+ * no_instruction 64-99 %) and only running code warms it, so a one-token launch's router
+ * and MMA warps run their first step once ahead on dummy data while the predecessor ends
+ * (-4.5 % at B = 1). wait: this warp's share of phase 0, up to the predecessor wait. */
+template <typename Step, typename Wait>
+__device__ __forceinline__ void warm_then_run(Step step, Wait wait) {
+#pragma unroll 1
+  for (int pass = 0;; ++pass) {
+    step(pass == 0);
+    if (pass == 1) return;
+    wait();
+  }
 }
 
 /* Keeps this CTA's call number where its roles read it and where the next call counts from. */
@@ -1195,13 +1229,26 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   }
   const int route_tid = threadIdx.x - kConsumerThreads;
   unsigned int *x_amax = reinterpret_cast<unsigned int *>(smem + L.x_amax);
-  if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
-  else if (threadIdx.x < kMaxLaunchTokens) x_amax[threadIdx.x] = 0;
-  __syncthreads();
-  /* the next launch's CTAs may take the SMs of ours that finish early and run their part 0
-   * there; they wait for all of ours to finish before reading anything */
-  allow_dependents();
-  wait_for_predecessor();
+  const auto clear_and_wait = [&] {
+    if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
+    else if (threadIdx.x < kMaxLaunchTokens) x_amax[threadIdx.x] = 0;
+    __syncthreads();
+    /* the next launch's CTAs may take the SMs of ours that finish early and run their part 0
+     * there; they wait for all of ours to finish before reading anything */
+    allow_dependents();
+    wait_for_predecessor();
+  };
+  /* one-token launches: the router warp routes and the MMA warps quantize x here, warmed */
+  if (kLocalX && warp == kWeightWarp) {
+    warm_then_run([&](bool warm) { route_one_token(p, r, route_tid, warm); }, clear_and_wait);
+  } else if (kLocalX && warp < kConsumerWarps) {
+    /* warm: whatever local x holds, not counted in xq_ready; its row max is cleared after */
+    const auto *local_x = reinterpret_cast<const __nv_bfloat16 *>(smem + L.x_local);
+    warm_then_run([&](bool warm) { quantize_x<true>(p, smem, x_amax, warm ? local_x : p.x, !warm); },
+                  clear_and_wait);
+  } else {
+    clear_and_wait();
+  }
 
   /* 1. routing, while the MMA warps quantize x (the grid-wide wait for x then overlaps the
    *    routing instead of following it). With local x the routing warps go on to stream
@@ -1209,21 +1256,19 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
    *    without it one CTA barrier joins them (a split one cost up to 4 % there, v30n). */
   if constexpr (kLocalX) {
     if (warp < kConsumerWarps) {
-      quantize_x<true>(p, smem, x_amax);
       named_barrier(kRoutedBarrier, kThreads);
     } else {
       /* overlaps the routing: on a warp that one-warp routing leaves idle (on the router's
        * lane 0 the routing waited for this load before it loaded the ids) */
       if (route_tid == kRouteThreads - 32) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1);
-      route_launch(p, r, route_tid);
-      route_sync();
+      route_sync(); /* the router warp's tables are in */
       named_barrier_arrive(kRoutedBarrier, kThreads);
     }
   } else {
     unsigned long long call = 0;
     if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
     if (warp < kConsumerWarps) {
-      quantize_x<false>(p, smem, x_amax);
+      quantize_x<false>(p, smem, x_amax, p.x, true);
       if (threadIdx.x == 0) record_call(p, call_slot, call);
     } else {
       route_launch(p, r, route_tid);
