@@ -1112,7 +1112,8 @@ __device__ void write_nan_rows(const Params &p, const Routing &r) {
  * the kernel's start), then each quantizes its blocks against the row's reference
  * exponent (mx.cuh), reloading them from L1. One L2 round trip per row, as with a block
  * per thread over the grid (v22b); a warp per 32 blocks that read its whole row for the
- * reference (v23) took four. */
+ * reference (v23) took four. x: the launch's rows (or, warming the code, any readable
+ * bytes); count: whether this CTA counts in xq_ready (not when warming). */
 template <bool kLocalX>
 __device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_amax, const __nv_bfloat16 *x,
                            bool count) {
@@ -1181,7 +1182,7 @@ __device__ __forceinline__ void route_one_token(const Params &p, const Routing &
  * site. B = 1's start is instruction-fetch bound (session 23's ncu: its blocks stalled on
  * no_instruction 64-99 %) and only running code warms it, so a one-token launch's router
  * and MMA warps run their first step once ahead on dummy data while the predecessor ends
- * (-4.5 % at B = 1). wait: this warp's share of phase 0, up to the predecessor wait. */
+ * (-3.8 % at B = 1). wait: this warp's share of phase 0, up to the predecessor wait. */
 template <typename Step, typename Wait>
 __device__ __forceinline__ void warm_then_run(Step step, Wait wait) {
 #pragma unroll 1
