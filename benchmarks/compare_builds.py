@@ -1,0 +1,86 @@
+"""Same-machine A/B timing of built trees of this repository.
+
+    python benchmarks/compare_builds.py TREE [TREE ...] [--passes 3] [--shapes k3-tp8,tp16] [--build]
+
+Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
+PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
+its fastest pass against the first tree's fastest. Machines differ (HBM read 4.5-4.65 TB/s)
+and so do processes on one machine (B >= 16 moved 2-5 % between passes of one build), by more
+than most kernel changes, so a change is read only beside its base, alternating, in one run.
+--build first builds each tree in place (`python setup.py build_ext --inplace`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def tree_names(trees: list[str]) -> list[str]:
+    """Each tree's folder name, or its path where two folder names are the same."""
+    names = [os.path.basename(os.path.normpath(t)) for t in trees]
+    return names if len(set(names)) == len(names) else list(trees)
+
+
+def build(tree: str) -> None:
+    log = os.path.join(tree, "build-compare.log")
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+                              stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"building {tree} failed: see {log}")
+
+
+def bench(tree: str, shapes: str, out: str) -> list[dict]:
+    """One bench_experts.py run of tree: its JSON rows."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    subprocess.run([sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out],
+                   cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)["rows"]
+
+
+def compare_table(times: dict, names: list[str]) -> list[str]:
+    """times[(shape, B)][name]: us of each pass. One line per (shape, B): every pass per
+    tree, and each later tree's fastest against names[0]'s fastest, in %."""
+    lines = ["shape B | " + " | ".join(names)]
+    for key in sorted(times):
+        base = min(times[key][names[0]])
+        cells = []
+        for i, name in enumerate(names):
+            us = times[key].get(name, [])
+            cell = "/".join(f"{t:.2f}" for t in us)
+            if i and us:
+                cell += f" ({100 * (min(us) / base - 1):+.1f} %)"
+            cells.append(cell)
+        lines.append(f"{key[0]} {key[1]} | " + " | ".join(cells))
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trees", nargs="+", help="checkouts of this repository, the base first")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--shapes", default="k3-tp8,tp16")
+    ap.add_argument("--build", action="store_true", help="build each tree in place first")
+    args = ap.parse_args()
+    names = tree_names(args.trees)
+    if args.build:
+        for tree in args.trees:
+            print(f"building {tree}", file=sys.stderr, flush=True)
+            build(tree)
+    times: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(args.passes):
+            for tree, name in zip(args.trees, names):
+                print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
+                for row in bench(tree, args.shapes, os.path.join(tmp, "rows.json")):
+                    times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])
+    print("\n".join(compare_table(times, names)))
+
+
+if __name__ == "__main__":
+    main()

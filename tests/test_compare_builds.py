@@ -1,0 +1,58 @@
+"""benchmarks/compare_builds.py: the A/B table and the alternating runs behind it."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from shapes import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "compare_builds.py"
+_spec = importlib.util.spec_from_file_location("compare_builds", SCRIPT)
+compare_builds = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_builds)
+
+
+def test_table_compares_fastest_passes_with_the_base():
+    times = {("tp16", 1): {"base": [12.5, 12.0], "new": [11.4, 12.6]},
+             ("k3-tp8", 64): {"base": [200.0, 210.0], "new": [205.0], "other": [190.0, 195.0]},
+             ("k3-tp8", 8): {"base": [62.0]}}
+    lines = compare_builds.compare_table(times, ["base", "new", "other"])
+    assert lines[0] == "shape B | base | new | other"
+    # sorted by shape, then B; a tree without passes for a row leaves its cell empty
+    assert lines[1] == "k3-tp8 8 | 62.00 |  | "
+    assert lines[2] == "k3-tp8 64 | 200.00/210.00 | 205.00 (+2.5 %) | 190.00/195.00 (-5.0 %)"
+    assert lines[3] == "tp16 1 | 12.50/12.00 | 11.40/12.60 (-5.0 %) | "
+
+
+def test_tree_names_are_folder_names_unless_they_clash():
+    assert compare_builds.tree_names(["/tmp/a/", "/tmp/b"]) == ["a", "b"]
+    assert compare_builds.tree_names(["/x/main", "/y/main"]) == ["/x/main", "/y/main"]
+
+
+def _fake_tree(root, us):
+    """A tree whose bench_experts.py checks how it was run and writes one row: us[i] on
+    its i-th run."""
+    bench = root / "benchmarks" / "bench_experts.py"
+    bench.parent.mkdir(parents=True)
+    bench.write_text(f"""
+import json, os, sys
+root = {str(root)!r}
+count = os.path.join(root, "runs")
+n = int(open(count).read()) if os.path.exists(count) else 0
+open(count, "w").write(str(n + 1))
+assert os.getcwd() == root and os.environ["PYTHONPATH"] == root
+assert sys.argv[1:3] == ["--shapes", "k3-tp8"] and sys.argv[3] == "--out"
+json.dump({{"rows": [{{"shape": "k3-tp8", "B": 1, "us": {us!r}[n]}}]}}, open(sys.argv[4], "w"))
+""")
+    return root
+
+
+def test_runs_every_tree_in_turn(tmp_path):
+    base = _fake_tree(tmp_path / "base", [10.0, 9.0])
+    new = _fake_tree(tmp_path / "new", [8.1, 9.9])
+    done = subprocess.run([sys.executable, str(SCRIPT), str(base), str(new), "--passes", "2", "--shapes", "k3-tp8"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["shape B | base | new", "k3-tp8 1 | 10.00/9.00 | 8.10/9.90 (-10.0 %)"]
+    assert done.stderr.splitlines() == ["pass 1/2: base", "pass 1/2: new", "pass 2/2: base", "pass 2/2: new"]
