@@ -26,7 +26,8 @@ def tree_names(trees: list[str]) -> list[str]:
 
 
 def build(tree: str) -> None:
-    log = os.path.join(tree, "build-compare.log")
+    log = os.path.join(tree, "build", "compare_builds.log")  # build/ is ignored by git
+    os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "w") as f:
         done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
                               stdout=f, stderr=subprocess.STDOUT)

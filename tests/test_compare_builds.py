@@ -56,3 +56,16 @@ def test_runs_every_tree_in_turn(tmp_path):
                           capture_output=True, text=True, check=True)
     assert done.stdout.splitlines() == ["shape B | base | new", "k3-tp8 1 | 10.00/9.00 | 8.10/9.90 (-10.0 %)"]
     assert done.stderr.splitlines() == ["pass 1/2: base", "pass 1/2: new", "pass 2/2: base", "pass 2/2: new"]
+
+
+def test_build_logs_under_build_and_stops_on_failure(tmp_path):
+    good = _fake_tree(tmp_path / "good", [1.0])
+    (good / "setup.py").write_text("print('built')\n")
+    bad = _fake_tree(tmp_path / "bad", [1.0])
+    (bad / "setup.py").write_text("raise SystemExit('no compiler')\n")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(good), str(bad), "--build", "--passes", "1",
+                           "--shapes", "k3-tp8"], capture_output=True, text=True)
+    assert done.returncode != 0 and done.stdout == ""
+    assert f"building {bad} failed: see {bad / 'build' / 'compare_builds.log'}" in done.stderr
+    assert (good / "build" / "compare_builds.log").read_text() == "built\n"
+    assert "no compiler" in (bad / "build" / "compare_builds.log").read_text()
