@@ -26,19 +26,11 @@
 #include <random>
 #include <vector>
 
+#include "harness.cuh"
 #include "kimi_kernels.h"
 #ifdef WITH_CUBLAS
 #include <cublas_v2.h>
 #endif
-
-#define CHECK(call)                                                                         \
-  do {                                                                                      \
-    cudaError_t e_ = (call);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                              \
-    }                                                                                       \
-  } while (0)
 
 static float bf2f(uint16_t b) {
   uint32_t u = (uint32_t)b << 16;
@@ -54,13 +46,6 @@ static uint16_t f2bf(float f) { /* round to nearest even (finite inputs) */
 }
 
 static int failures = 0;
-
-struct Dev {
-  void *p = nullptr;
-  explicit Dev(size_t bytes) { CHECK(cudaMalloc(&p, bytes)); }
-  ~Dev() { cudaFree(p); }
-  template <class T> T *as() const { return (T *)p; }
-};
 
 /* ---- correctness --------------------------------------------------------------------- */
 /* force_tile / force_cluster (0: kx_gemm_configure's choice) run a configuration the heuristic
@@ -234,45 +219,6 @@ static void check_invariance(int n, int k) {
 }
 
 /* ---- timing --------------------------------------------------------------------------- */
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-/* Captures `body` (which enqueues work on s) into a graph; times `replays` replays. */
-template <class F>
-static float graph_us(cudaStream_t s, F body, int replays = 60) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  body();
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(ge, s));
-  std::vector<cudaEvent_t> ev(replays + 1);
-  for (auto &e : ev) CHECK(cudaEventCreate(&e));
-  CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < replays; ++i) {
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  CHECK(cudaStreamSynchronize(s));
-  std::vector<float> t(replays);
-  for (int i = 0; i < replays; ++i) CHECK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto &e : ev) CHECK(cudaEventDestroy(e));
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  return median(t) * 1000.f;
-}
-
-static double hbm_read_TBps(cudaStream_t s) {
-  const size_t bytes = (size_t)4 << 30;
-  Dev buf(bytes), sink(64);
-  CHECK(cudaMemset(buf.p, 1, bytes));
-  const float us = graph_us(s, [&] { CHECK(kx_probe_read(buf.p, (int64_t)bytes, sink.as<uint32_t>(), s)); }, 20);
-  return (double)bytes / (us * 1e-6) / 1e12;
-}
-
 struct GemmSet { /* 8 copies of W [n, k], x [64, k], y [64, n] each */
   int n, k;
   kx_gemm_config cfg;

@@ -52,6 +52,7 @@
 #include <cuda_bf16.h>
 
 #include "kimi_kernels.h"
+#include "marks.cuh"
 #include "moe_layout.cuh"
 #include "mx.cuh"
 #include "pipeline.cuh"
@@ -803,16 +804,19 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     const TileRef ref = direct ? tile_ref(p, index, cp.fc1_tiles) : TileRef{};
     /* the launch's one token's slots, before the chunks: off the tail */
     const uint32_t slots = direct ? routed_slots(r, 0, p.shape.top_k, r.expert_id[r.unit_expert[ref.unit]]) : 0;
+    KX_MARK_TILE(index);
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      KX_MARK_CHUNK(c);
       consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
                                                            cp.chunk_scale, &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      KX_MARK_CHUNK(cp.full_chunks);
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
                                                                  cp.chunk_scale, &ring.empty[ring.pos.stage], acc,
                                                                  cp.last_units);
@@ -842,6 +846,7 @@ template <bool kLocalX>
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
                                               int fc1_tiles, int index, int end, ConsumerRing &ring) {
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
+  if (!fc1) KX_MARK(kMarkFc2Planned);
   constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
     consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
@@ -1204,6 +1209,8 @@ __device__ __forceinline__ void record_call(const Params &p, unsigned long long 
 template <bool kLocalX>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
+  KX_MARK(kMarkEntry);
+  KX_MARK_NS(kMarkEntryNs);
   const SmemLayout &L = p.smem;
   const Routing r{reinterpret_cast<int16_t *>(smem + L.pair_expert), reinterpret_cast<uint32_t *>(smem + L.expert_slot),
                   reinterpret_cast<unsigned long long *>(smem + L.token_mask),
@@ -1238,6 +1245,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
      * there; they wait for all of ours to finish before reading anything */
     allow_dependents();
     wait_for_predecessor();
+    KX_MARK(kMarkWaited);
   };
   /* one-token launches: the router warp routes and the MMA warps quantize x here, warmed */
   if (kLocalX && warp == kWeightWarp) {
@@ -1276,6 +1284,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     }
     __syncthreads();
   }
+  KX_MARK(kMarkRouted);
   const unsigned long long call = *call_slot;
   const int units = r.totals[1];
   const int fc1_tiles = units * p.fc1.tiles;
@@ -1300,9 +1309,11 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                               : (int)blockIdx.x + (fc1_tiles - (int)blockIdx.x + (int)gridDim.x - 1) /
                                                       (int)gridDim.x * (int)gridDim.x;
 #pragma unroll 1
-    for (int fc1 = 1; fc1 >= 0; --fc1) /* one call site: the phase code is inlined once */
+    for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */
       consume_phase<kLocalX>(p, smem, r, fc1, fc1_tiles, fc1 ? (int)blockIdx.x : first_fc2,
                              fc1 ? fc1_tiles : total_tiles, ring);
+      KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
+    }
   }
 }
 
@@ -1412,6 +1423,18 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   }
   return cudaSuccess;
 }
+
+#ifdef KX_MARKS
+extern "C" cudaError_t kx_marks_clear(cudaStream_t stream) {
+  void *marks = nullptr;
+  cudaError_t err = cudaGetSymbolAddress(&marks, kx::g_marks);
+  return err != cudaSuccess ? err : cudaMemsetAsync(marks, 0, sizeof kx::g_marks, stream);
+}
+
+extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas) {
+  return cudaMemcpyFromSymbol(host, kx::g_marks, sizeof(unsigned long long) * kx::kMarkSlots * ctas);
+}
+#endif
 
 extern "C" cudaError_t kx_moe_read_fault(void *scratch, const kx_moe_config *config, const kx_moe_shape *shape,
                                          kx_moe_fault *fault, cudaStream_t stream) {

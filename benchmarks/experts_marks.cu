@@ -1,0 +1,193 @@
+/* experts_marks.cu: where one experts launch spends its time, CTA by CTA. A stand-alone
+ * program through the C door (kernels/kimi_kernels.h) with the kernel built with -DKX_MARKS
+ * (kernels/marks.cuh): lane 0 of each CTA's MMA warp 0 stamps its clock at fixed points and as
+ * each of its chunks' stages turns full. Not part of the library build.
+ *
+ *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
+ *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
+ *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
+ *
+ * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
+ * bench_experts.py, every layer with the same ids (B tokens, distinct experts per token), so
+ * every launch has the same deal. Prints the time per layer (median of 60 replays; the marks
+ * cost a few instructions per chunk, so compare marks builds with marks builds), then the last
+ * layer's marks of one more replay: kcycles after each CTA's entry, the median and the largest
+ * over the grid, and the chunk timeline of the N CTAs that finish last.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmath>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "harness.cuh"
+#include "kimi_kernels.h"
+#include "marks.cuh"
+
+#ifndef KX_MARKS
+#error "build with -DKX_MARKS (the command in this file's header)"
+#endif
+
+using namespace kx; /* marks.cuh's slot names */
+
+/* Random FP4 bytes; scale bytes in [124, 130], so the weights stay finite. */
+__global__ void fill_weights(uint8_t *bytes, size_t n, uint32_t seed, int scales) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    bytes[i] = scales ? (uint8_t)(124 + h % 7) : (uint8_t)h;
+  }
+}
+
+static void random_bytes(void *p, size_t n, uint32_t seed, int scales, cudaStream_t stream) {
+  fill_weights<<<1024, 256, 0, stream>>>((uint8_t *)p, n, seed, scales);
+  CHECK(cudaGetLastError());
+}
+
+int main(int argc, char **argv) {
+  kx_moe_shape s = {384, 3584, 384, 16};
+  const char *name = "k3-tp8";
+  int batch = 1, last = 12;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!strcmp(argv[i], "--shape") && !strcmp(argv[i + 1], "tp16")) {
+      s.inter = 192;
+      name = "tp16";
+    } else if (!strcmp(argv[i], "--batch")) {
+      batch = atoi(argv[i + 1]);
+    } else if (!strcmp(argv[i], "--last")) {
+      last = atoi(argv[i + 1]);
+    } else if (strcmp(argv[i], "--shape")) {
+      fprintf(stderr, "unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  const int E = s.experts, H = s.hidden, I = s.inter, K = s.top_k, layers = 8;
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  /* 8 packed layers, from one standard-layout set refilled per layer */
+  const size_t w13 = (size_t)E * 2 * I * H / 2, s13 = (size_t)E * 2 * I * H / 32;
+  const size_t w2 = (size_t)E * H * I / 2, s2 = (size_t)E * H * I / 32;
+  Dev dw13(w13), ds13(s13), dw2(w2), ds2(s2);
+  std::vector<Dev *> packed;
+  for (int l = 0; l < layers; ++l) {
+    random_bytes(dw13.p, w13, 11 * l + 1, 0, stream);
+    random_bytes(ds13.p, s13, 11 * l + 2, 1, stream);
+    random_bytes(dw2.p, w2, 11 * l + 3, 0, stream);
+    random_bytes(ds2.p, s2, 11 * l + 4, 1, stream);
+    packed.push_back(new Dev(kx_moe_packed_bytes(&s)));
+    kx_moe_pack_args pa = {s, dw13.as<uint8_t>(), ds13.as<uint8_t>(), dw2.as<uint8_t>(), ds2.as<uint8_t>(),
+                           packed.back()->p};
+    CHECK(kx_moe_pack(&pa, stream));
+  }
+
+  /* x near 1, ids: K distinct experts per token */
+  std::mt19937 rng(batch);
+  std::vector<uint16_t> xh((size_t)batch * H);
+  for (auto &v : xh) v = (uint16_t)(0x3F80u + rng() % 64); /* bf16 in [1, 1.5) */
+  std::vector<int32_t> ids((size_t)batch * K);
+  std::vector<int> perm(E);
+  for (int t = 0; t < batch; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int j = 0; j < K; ++j) ids[(size_t)t * K + j] = perm[j];
+  }
+  Dev dx(xh.size() * 2), dids(ids.size() * 4), dout((size_t)batch * K * H * 2);
+  /* everything on `stream`: a non-blocking stream does not wait for the legacy default one */
+  CHECK(cudaMemcpyAsync(dx.p, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice, stream));
+  CHECK(cudaMemcpyAsync(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
+
+  kx_moe_config cfg;
+  CHECK(kx_moe_configure(&s, 0, &cfg));
+  const size_t scratch_bytes = kx_moe_scratch_bytes(&s, &cfg);
+  Dev scratch(scratch_bytes);
+  CHECK(cudaMemsetAsync(scratch.p, 0, scratch_bytes, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  std::vector<kx_moe_args> args(layers);
+  for (int l = 0; l < layers; ++l) {
+    kx_moe_args &a = args[l];
+    memset(&a, 0, sizeof a);
+    a.shape = s;
+    a.config = cfg;
+    a.packed = packed[l]->p;
+    a.scratch = scratch.p;
+    a.x = dx.as<uint16_t>();
+    a.x_row_stride = H;
+    a.ids = dids.as<int32_t>();
+    a.ids_row_stride = K;
+    a.out = dout.as<uint16_t>();
+    a.out_row_stride = H;
+    a.batch = batch;
+    a.beta = a.linear_beta = INFINITY;
+  }
+  const auto layers_body = [&] {
+    for (int l = 0; l < layers; ++l) CHECK(kx_moe_run(&args[l], stream));
+  };
+  const float us = graph_us(stream, layers_body) / layers;
+
+  /* one more replay, its last layer's marks */
+  CHECK(kx_marks_clear(stream));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  layers_body();
+  CHECK(cudaStreamEndCapture(stream, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphLaunch(ge, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  const int grid = cfg.grid;
+  std::vector<unsigned long long> m((size_t)grid * kMarkSlots);
+  CHECK(kx_marks_read(m.data(), grid));
+  /* kcycles from CTA c's entry to its stamp in slot (-1: none) */
+  const auto at = [&](int c, int slot) {
+    const unsigned long long *row = &m[(size_t)c * kMarkSlots];
+    return row[slot] ? (double)(long long)(row[slot] - row[kMarkEntry]) / 1000.0 : -1.0;
+  };
+
+  printf("%s B=%d: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch, us,
+         layers, grid);
+  const char *names[] = {"waited", "routed", "fc1 done", "fc2 planned", "exit"};
+  const int slots[] = {kMarkWaited, kMarkRouted, kMarkFc1Done, kMarkFc2Planned, kMarkExit};
+  printf("kcycles after each CTA's entry, median / max over the grid:\n");
+  for (int k = 0; k < 5; ++k) {
+    std::vector<double> v;
+    for (int c = 0; c < grid; ++c) v.push_back(at(c, slots[k]));
+    std::sort(v.begin(), v.end());
+    printf("  %-12s %7.2f / %7.2f\n", names[k], v[v.size() / 2], v.back());
+  }
+  unsigned long long first_ns = ~0ull, last_ns = 0;
+  for (int c = 0; c < grid; ++c) {
+    first_ns = std::min(first_ns, m[(size_t)c * kMarkSlots + kMarkEntryNs]);
+    last_ns = std::max(last_ns, m[(size_t)c * kMarkSlots + kMarkEntryNs]);
+  }
+  printf("entries spread over %.2f us (globaltimer)\n", (last_ns - first_ns) / 1000.0);
+
+  /* the CTAs that finish last, by their exit stamp after entry */
+  std::vector<int> order(grid);
+  for (int c = 0; c < grid; ++c) order[c] = c;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return at(a, kMarkExit) > at(b, kMarkExit); });
+  printf("the %d CTAs that finish last: waited routed | per tile, each chunk's stage full | fc1 done, fc2 "
+         "planned, exit (kcycles after entry)\n",
+         last);
+  for (int i = 0; i < last && i < grid; ++i) {
+    const int c = order[i];
+    printf("  cta %3d: %5.2f %5.2f |", c, at(c, kMarkWaited), at(c, kMarkRouted));
+    for (int row = kMarkChunks; row < kMarkSlots && at(c, row) >= 0; row += kMarksPerTile) {
+      printf(" [");
+      for (int k = 0; k < kMarksPerTile && at(c, row + k) >= 0; ++k) printf("%s%.1f", k ? " " : "", at(c, row + k));
+      printf("]");
+    }
+    printf(" | %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned), at(c, kMarkExit));
+  }
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  for (Dev *d : packed) delete d;
+  return 0;
+}

@@ -1,0 +1,70 @@
+/* harness.cuh: what the stand-alone GPU harnesses in benchmarks/ share (ws_gemm_check.cu,
+ * experts_marks.cu): a CUDA call checked or the program ends, a device buffer, CUDA-graph timing
+ * and the HBM read floor. Host code only; each harness is its own program. */
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kimi_kernels.h"
+
+#define CHECK(call)                                                                         \
+  do {                                                                                      \
+    cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      exit(2);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+/* Device bytes from cudaMalloc, freed with the object. */
+struct Dev {
+  void *p = nullptr;
+  explicit Dev(size_t bytes) { CHECK(cudaMalloc(&p, bytes)); }
+  ~Dev() { cudaFree(p); }
+  template <class T> T *as() const { return (T *)p; }
+};
+
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/* Captures `body` (which enqueues work on s) into a graph; times `replays` replays. */
+template <class F>
+static float graph_us(cudaStream_t s, F body, int replays = 60) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  body();
+  CHECK(cudaStreamEndCapture(s, &g));
+  CHECK(cudaGraphInstantiate(&ge, g, 0));
+  for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(ge, s));
+  std::vector<cudaEvent_t> ev(replays + 1);
+  for (auto &e : ev) CHECK(cudaEventCreate(&e));
+  CHECK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < replays; ++i) {
+    CHECK(cudaGraphLaunch(ge, s));
+    CHECK(cudaEventRecord(ev[i + 1], s));
+  }
+  CHECK(cudaStreamSynchronize(s));
+  std::vector<float> t(replays);
+  for (int i = 0; i < replays; ++i) CHECK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
+  for (auto &e : ev) CHECK(cudaEventDestroy(e));
+  CHECK(cudaGraphExecDestroy(ge));
+  CHECK(cudaGraphDestroy(g));
+  return median(t) * 1000.f;
+}
+
+static double hbm_read_TBps(cudaStream_t s) {
+  const size_t bytes = (size_t)4 << 30;
+  Dev buf(bytes), sink(64);
+  CHECK(cudaMemset(buf.p, 1, bytes));
+  const float us = graph_us(s, [&] { CHECK(kx_probe_read(buf.p, (int64_t)bytes, sink.as<uint32_t>(), s)); }, 20);
+  return (double)bytes / (us * 1e-6) / 1e12;
+}
