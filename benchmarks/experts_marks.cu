@@ -133,15 +133,11 @@ int main(int argc, char **argv) {
   const float us = graph_us(stream, layers_body) / layers;
 
   /* one more replay, its last layer's marks */
+  const cudaGraphExec_t ge = capture_graph(stream, layers_body);
   CHECK(kx_marks_clear(stream));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  layers_body();
-  CHECK(cudaStreamEndCapture(stream, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
   CHECK(cudaGraphLaunch(ge, stream));
   CHECK(cudaStreamSynchronize(stream));
+  CHECK(cudaGraphExecDestroy(ge));
   const int grid = cfg.grid;
   std::vector<unsigned long long> m((size_t)grid * kMarkSlots);
   CHECK(kx_marks_read(m.data(), grid));
@@ -186,8 +182,6 @@ int main(int argc, char **argv) {
     }
     printf(" | %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned), at(c, kMarkExit));
   }
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
   for (Dev *d : packed) delete d;
   return 0;
 }

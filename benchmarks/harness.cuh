@@ -35,15 +35,23 @@ static float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-/* Captures `body` (which enqueues work on s) into a graph; times `replays` replays. */
+/* `body` (which enqueues work on s) captured into an executable graph. */
 template <class F>
-static float graph_us(cudaStream_t s, F body, int replays = 60) {
+static cudaGraphExec_t capture_graph(cudaStream_t s, F body) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   body();
   CHECK(cudaStreamEndCapture(s, &g));
   CHECK(cudaGraphInstantiate(&ge, g, 0));
+  CHECK(cudaGraphDestroy(g)); /* the executable graph does not need it */
+  return ge;
+}
+
+/* Captures `body` into a graph; the median of `replays` replays, in us. */
+template <class F>
+static float graph_us(cudaStream_t s, F body, int replays = 60) {
+  const cudaGraphExec_t ge = capture_graph(s, body);
   for (int i = 0; i < 5; ++i) CHECK(cudaGraphLaunch(ge, s));
   std::vector<cudaEvent_t> ev(replays + 1);
   for (auto &e : ev) CHECK(cudaEventCreate(&e));
@@ -57,7 +65,6 @@ static float graph_us(cudaStream_t s, F body, int replays = 60) {
   for (int i = 0; i < replays; ++i) CHECK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
   for (auto &e : ev) CHECK(cudaEventDestroy(e));
   CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
   return median(t) * 1000.f;
 }
 
