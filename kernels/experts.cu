@@ -1246,6 +1246,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     allow_dependents();
     wait_for_predecessor();
     KX_MARK(kMarkWaited);
+    KX_MARK_NS(kMarkWaitedNs);
   };
   /* one-token launches: the router warp routes and the MMA warps quantize x here, warmed */
   if (kLocalX && warp == kWeightWarp) {
@@ -1314,6 +1315,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                              fc1 ? fc1_tiles : total_tiles, ring);
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
+    KX_MARK_NS(kMarkExitNs);
   }
 }
 

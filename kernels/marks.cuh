@@ -23,9 +23,11 @@ enum MarkSlot {
   kMarkFc1Done,     /* the MMA warps left FC1's tiles */
   kMarkFc2Planned,  /* the MMA warps' FC2 plan is made, before its first stage wait */
   kMarkExit,        /* the MMA warps' last tile is handed off */
-  kMarkChunks = 8,
+  kMarkWaitedNs,    /* %globaltimer at kMarkWaited and at kMarkExit: where the CTAs meet in time */
+  kMarkExitNs,
+  kMarkChunks = 10,
   kMarksPerTile = 8,
-  kMarkSlots = 64,
+  kMarkSlots = 72,  /* 7 tiles of chunks */
   kMarkMaxCtas = 1024,
 };
 
