@@ -1210,7 +1210,6 @@ template <bool kLocalX>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   KX_MARK(kMarkEntry);
-  KX_MARK_NS(kMarkEntryNs);
   const SmemLayout &L = p.smem;
   const Routing r{reinterpret_cast<int16_t *>(smem + L.pair_expert), reinterpret_cast<uint32_t *>(smem + L.expert_slot),
                   reinterpret_cast<unsigned long long *>(smem + L.token_mask),

@@ -17,13 +17,12 @@ namespace kx {
 
 enum MarkSlot {
   kMarkEntry,       /* first instruction */
-  kMarkEntryNs,     /* %globaltimer at entry (ns): places the CTAs' clocks on one time line */
   kMarkWaited,      /* griddepcontrol.wait returned: the predecessor is done */
   kMarkRouted,      /* the routing tables are complete */
   kMarkFc1Done,     /* the MMA warps left FC1's tiles */
   kMarkFc2Planned,  /* the MMA warps' FC2 plan is made, before its first stage wait */
   kMarkExit,        /* the MMA warps' last tile is handed off */
-  kMarkWaitedNs,    /* %globaltimer at kMarkWaited and at kMarkExit: where the CTAs meet in time */
+  kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and at kMarkExit: the CTAs on one clock */
   kMarkExitNs,
   kMarkChunks = 10,
   kMarksPerTile = 8,
