@@ -1,7 +1,7 @@
 /* experts_marks.cu: where one experts launch spends its time, CTA by CTA. A stand-alone
  * program through the C door (kernels/kimi_kernels.h) with the kernel built with -DKX_MARKS
- * (kernels/marks.cuh): lane 0 of each CTA's MMA warp 0 stamps its clock at fixed points and as
- * each of its chunks' stages turns full. Not part of the library build.
+ * (kernels/marks.cuh): lane 0 of each CTA's MMA warp 0 stamps its clock at fixed points and at
+ * each of its tiles' start, chunks' end and hand-off. Not part of the library build.
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
@@ -12,7 +12,7 @@
  * every launch has the same deal. Prints the time per layer (median of 60 replays; the marks
  * cost a few instructions per chunk, so compare marks builds with marks builds), then the last
  * layer's marks of one more replay: kcycles after each CTA's predecessor wait, the median and
- * the largest over the grid, and the chunk timeline of the N CTAs that exit last.
+ * the largest over the grid, and the tile timeline of the N CTAs that exit last.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -172,17 +172,14 @@ int main(int argc, char **argv) {
   std::vector<int> order(grid);
   for (int c = 0; c < grid; ++c) order[c] = c;
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
-  printf("the %d CTAs that exit last: wait (us after the first), routed | per tile, each chunk's stage full | "
-         "fc1 done, fc2 planned, exit (kcycles after the CTA's wait)\n",
+  printf("the %d CTAs that exit last: wait (us after the first), routed | per tile: start, chunks' MMAs done, "
+         "handed off | fc1 done, fc2 planned, exit (kcycles after the CTA's wait)\n",
          last);
   for (int i = 0; i < last && i < grid; ++i) {
     const int c = order[i];
     printf("  cta %3d: %5.2f %5.2f |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0, at(c, kMarkRouted));
-    for (int row = kMarkChunks; row + kMarksPerTile <= kMarkSlots && at(c, row) >= 0; row += kMarksPerTile) {
-      printf(" [");
-      for (int k = 0; k < kMarksPerTile && at(c, row + k) >= 0; ++k) printf("%s%.1f", k ? " " : "", at(c, row + k));
-      printf("]");
-    }
+    for (int t = kMarkTiles; t + kMarksPerTile <= kMarkSlots && at(c, t + kMarkTileStart) >= 0; t += kMarksPerTile)
+      printf(" [%.1f %.1f %.1f]", at(c, t + kMarkTileStart), at(c, t + kMarkTileSums), at(c, t + kMarkTileDone));
     printf(" | %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned), at(c, kMarkExit));
   }
   for (Dev *d : packed) delete d;

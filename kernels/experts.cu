@@ -804,26 +804,26 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     const TileRef ref = direct ? tile_ref(p, index, cp.fc1_tiles) : TileRef{};
     /* the launch's one token's slots, before the chunks: off the tail */
     const uint32_t slots = direct ? routed_slots(r, 0, p.shape.top_k, r.expert_id[r.unit_expert[ref.unit]]) : 0;
-    KX_MARK_TILE(index);
+    KX_MARK_TILE(index, kMarkTileStart);
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      KX_MARK_CHUNK(c);
       consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
                                                            cp.chunk_scale, &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
-      KX_MARK_CHUNK(cp.full_chunks);
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
                                                                  cp.chunk_scale, &ring.empty[ring.pos.stage], acc,
                                                                  cp.last_units);
       ring.pos.advance(kStages);
     }
+    KX_MARK_TILE(index, kMarkTileSums);
     if (direct) store_token_rows(p, ref.tile, slots, acc);
     else hand_off(p, smem, ring, acc);
+    KX_MARK_TILE(index, kMarkTileDone);
   }
 }
 

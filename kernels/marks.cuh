@@ -3,11 +3,11 @@
  * nothing and the kernel is the library's.
  *
  * Thread 0 of each CTA (lane 0 of MMA warp 0) stamps clock64() into its CTA's row of
- * kMarkSlots words: the fixed points of MarkSlot, then one word per chunk as its stage turned
- * full, kMarksPerTile per tile of the CTA (the n-th tile's chunk c at kMarkChunks +
- * n * kMarksPerTile + c; later tiles and chunks past the row are not kept). Each launch
- * overwrites the words it reaches, so a reader clears them before the launch it reads. The
- * enum is host code too (the harness names the slots with it). */
+ * kMarkSlots words: the fixed points of MarkSlot, then three per tile of the CTA (its n-th
+ * tile's TileMark k at kMarkTiles + n * kMarksPerTile + k; tiles past the row are not kept).
+ * Nothing is stamped inside the chunk loops, whose schedule the stamps would change. Each
+ * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
+ * The enums are host code too (the harness names the slots with them). */
 #pragma once
 
 #include <stdint.h>
@@ -24,11 +24,18 @@ enum MarkSlot {
   kMarkExit,        /* the MMA warps' last tile is handed off */
   kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and at kMarkExit: the CTAs on one clock */
   kMarkExitNs,
-  kMarkChunks = 10,
-  kMarksPerTile = 8,
-  kMarkSlots = 72,  /* 7 tiles of chunks */
-  kMarkMaxCtas = 1024,
+  kMarkTiles = 10,
+  kMarksPerTile = 3,
+  kMarkSlots = 64,  /* 18 tiles */
 };
+
+enum TileMark {
+  kMarkTileStart, /* before its first chunk's stage wait */
+  kMarkTileSums,  /* its chunks' MMAs done */
+  kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
+};
+
+constexpr int kMarkMaxCtas = 1024;
 
 #ifdef KX_MARKS
 static __device__ unsigned long long g_marks[kMarkMaxCtas * kMarkSlots]; /* this translation unit's */
@@ -45,17 +52,13 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 #define KX_MARK(slot) ::kx::mark_at((slot), clock64())
 #define KX_MARK_NS(slot) ::kx::mark_at((slot), ::kx::global_ns())
-/* KX_MARK_TILE at a tile's start (index: this CTA's tiles are blockIdx.x, + gridDim.x, ...), then
- * KX_MARK_CHUNK(c) as its chunk c's stage is full */
-#define KX_MARK_TILE(index) \
-  const int kx_mark_row = ::kx::kMarkChunks + ((index) - (int)blockIdx.x) / (int)gridDim.x * ::kx::kMarksPerTile
-#define KX_MARK_CHUNK(c) \
-  ::kx::mark_at(kx_mark_row + ((c) < ::kx::kMarksPerTile ? (c) : ::kx::kMarksPerTile - 1), clock64())
+/* mark k (TileMark) of the tile at index: this CTA's tiles are blockIdx.x, + gridDim.x, ... */
+#define KX_MARK_TILE(index, k) \
+  ::kx::mark_at(::kx::kMarkTiles + ((index) - (int)blockIdx.x) / (int)gridDim.x * ::kx::kMarksPerTile + (k), clock64())
 #else
 #define KX_MARK(slot) ((void)0)
 #define KX_MARK_NS(slot) ((void)0)
-#define KX_MARK_TILE(index) ((void)0)
-#define KX_MARK_CHUNK(c) ((void)0)
+#define KX_MARK_TILE(index, k) ((void)0)
 #endif
 
 }  // namespace kx
