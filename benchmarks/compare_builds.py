@@ -4,7 +4,8 @@
 
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
-its fastest pass against the first tree's fastest. Machines differ (HBM read 4.5-4.65 TB/s)
+its fastest pass against the first tree's fastest, then each pass's HBM read (the floors'
+bandwidth). Machines differ (HBM read 4.5-4.65 TB/s)
 and so do processes on one machine (B >= 16 moved 2-5 % between passes of one build), by more
 than most kernel changes, so a change is read only beside its base, alternating, in one run.
 --build first builds each tree in place (`python setup.py build_ext --inplace`).
@@ -35,13 +36,13 @@ def build(tree: str) -> None:
         sys.exit(f"building {tree} failed: see {log}")
 
 
-def bench(tree: str, shapes: str, out: str) -> list[dict]:
-    """One bench_experts.py run of tree: its JSON rows."""
+def bench(tree: str, shapes: str, out: str) -> dict:
+    """One bench_experts.py run of tree: its JSON (rows, the run's HBM read)."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     subprocess.run([sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out],
                    cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
-        return json.load(f)["rows"]
+        return json.load(f)
 
 
 def compare_table(times: dict, names: list[str]) -> list[str]:
@@ -61,6 +62,13 @@ def compare_table(times: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def hbm_line(hbm: dict, names: list[str]) -> str:
+    """hbm[name]: each pass's HBM read in TB/s (None where a tree's JSON has none): the
+    floors of its rows are the weight bytes over these."""
+    cells = ["/".join("?" if v is None else f"{v:.2f}" for v in hbm.get(name, [])) for name in names]
+    return "HBM read TB/s, each pass | " + " | ".join(cells)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trees", nargs="+", help="checkouts of this repository, the base first")
@@ -74,13 +82,16 @@ def main():
             print(f"building {tree}", file=sys.stderr, flush=True)
             build(tree)
     times: dict = {}
+    hbm: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(args.passes):
             for tree, name in zip(args.trees, names):
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
-                for row in bench(tree, args.shapes, os.path.join(tmp, "rows.json")):
+                run = bench(tree, args.shapes, os.path.join(tmp, "rows.json"))
+                hbm.setdefault(name, []).append(run.get("hbm_read_TBps"))
+                for row in run["rows"]:
                     times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])
-    print("\n".join(compare_table(times, names)))
+    print("\n".join(compare_table(times, names) + [hbm_line(hbm, names)]))
 
 
 if __name__ == "__main__":

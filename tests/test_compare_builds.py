@@ -31,11 +31,12 @@ def test_tree_names_are_folder_names_unless_they_clash():
     assert compare_builds.tree_names(["/x/main", "/y/main"]) == ["/x/main", "/y/main"]
 
 
-def _fake_tree(root, us):
+def _fake_tree(root, us, hbm=None):
     """A tree whose bench_experts.py checks how it was run and writes one row: us[i] on
-    its i-th run."""
+    its i-th run, and the run's HBM read hbm[i] (none where hbm is None, as in older trees)."""
     bench = root / "benchmarks" / "bench_experts.py"
     bench.parent.mkdir(parents=True)
+    hbm_line = f'run["hbm_read_TBps"] = {hbm!r}[n]' if hbm is not None else ""
     bench.write_text(f"""
 import json, os, sys
 root = {str(root)!r}
@@ -44,17 +45,20 @@ n = int(open(count).read()) if os.path.exists(count) else 0
 open(count, "w").write(str(n + 1))
 assert os.getcwd() == root and os.environ["PYTHONPATH"] == root
 assert sys.argv[1:3] == ["--shapes", "k3-tp8"] and sys.argv[3] == "--out"
-json.dump({{"rows": [{{"shape": "k3-tp8", "B": 1, "us": {us!r}[n]}}]}}, open(sys.argv[4], "w"))
+run = {{"rows": [{{"shape": "k3-tp8", "B": 1, "us": {us!r}[n]}}]}}
+{hbm_line}
+json.dump(run, open(sys.argv[4], "w"))
 """)
     return root
 
 
 def test_runs_every_tree_in_turn(tmp_path):
-    base = _fake_tree(tmp_path / "base", [10.0, 9.0])
+    base = _fake_tree(tmp_path / "base", [10.0, 9.0], hbm=[4.541, 4.6])
     new = _fake_tree(tmp_path / "new", [8.1, 9.9])
     done = subprocess.run([sys.executable, str(SCRIPT), str(base), str(new), "--passes", "2", "--shapes", "k3-tp8"],
                           capture_output=True, text=True, check=True)
-    assert done.stdout.splitlines() == ["shape B | base | new", "k3-tp8 1 | 10.00/9.00 | 8.10/9.90 (-10.0 %)"]
+    assert done.stdout.splitlines() == ["shape B | base | new", "k3-tp8 1 | 10.00/9.00 | 8.10/9.90 (-10.0 %)",
+                                        "HBM read TB/s, each pass | 4.54/4.60 | ?/?"]
     assert done.stderr.splitlines() == ["pass 1/2: base", "pass 1/2: new", "pass 2/2: base", "pass 2/2: new"]
 
 
