@@ -55,16 +55,17 @@ int main(int argc, char **argv) {
   kx_moe_shape s = {384, 3584, 384, 16};
   const char *name = "k3-tp8";
   int batch = 1, last = 12;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--shape") && !strcmp(argv[i + 1], "tp16")) {
+  for (int i = 1; i < argc; i += 2) {
+    const char *value = i + 1 < argc ? argv[i + 1] : "";
+    if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
       s.inter = 192;
       name = "tp16";
-    } else if (!strcmp(argv[i], "--batch")) {
-      batch = atoi(argv[i + 1]);
-    } else if (!strcmp(argv[i], "--last")) {
-      last = atoi(argv[i + 1]);
-    } else if (strcmp(argv[i], "--shape")) {
-      fprintf(stderr, "unknown argument %s\n", argv[i]);
+    } else if (!strcmp(argv[i], "--batch") && atoi(value) > 0) {
+      batch = atoi(value);
+    } else if (!strcmp(argv[i], "--last") && atoi(value) > 0) {
+      last = atoi(value);
+    } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
+      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N)\n", argv[i], value);
       return 2;
     }
   }

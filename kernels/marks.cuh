@@ -10,7 +10,6 @@
  * The enums are host code too (the harness names the slots with them). */
 #pragma once
 
-#include <stdint.h>
 #include <cuda_runtime_api.h>
 
 namespace kx {
