@@ -1,7 +1,7 @@
 /* experts_marks.cu: where one experts launch spends its time, CTA by CTA. A stand-alone
  * program through the C door (kernels/kimi_kernels.h) with the kernel built with -DKX_MARKS
  * (kernels/marks.cuh): lane 0 of each CTA's MMA warp 0 stamps its clock at fixed points and at
- * each of its tiles' start, chunks' end and hand-off. Not part of the library build.
+ * each of its tiles' steps, and the copy warps at their first copies. Not part of the library build.
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
@@ -159,29 +159,37 @@ int main(int argc, char **argv) {
     done = std::max(done, ns(c, kMarkExitNs));
   }
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)", "routed", "fc1 done", "fc2 planned", "exit"};
-  const int slots[] = {kMarkEntry, kMarkRouted, kMarkFc1Done, kMarkFc2Planned, kMarkExit};
-  printf("kcycles after each CTA's predecessor wait, median / max over the grid:\n");
-  for (int k = 0; k < 5; ++k) {
+  const char *names[] = {"entry (< 0)", "routed", "nan rows done", "fc1 planned", "first copy", "fc1 done",
+                         "fc2 planned", "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
+  const int slots[] = {kMarkEntry,   kMarkRouted,     kMarkNanDone,      kMarkFc1Planned,  kMarkFirstCopy, kMarkFc1Done,
+                       kMarkFc2Planned, kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
+  const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
+  printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
+  for (int k = 0; k < n_fixed; ++k) {
     std::vector<double> v;
     for (int c = 0; c < grid; ++c) v.push_back(at(c, slots[k]));
     std::sort(v.begin(), v.end());
-    printf("  %-12s %7.2f / %7.2f\n", names[k], v[v.size() / 2], v.back());
+    printf("  %-14s %7.2f / %7.2f\n", names[k], v[v.size() / 2], v.back());
   }
 
   /* the CTAs that exit last (globaltimer) */
   std::vector<int> order(grid);
   for (int c = 0; c < grid; ++c) order[c] = c;
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
-  printf("the %d CTAs that exit last: wait (us after the first), routed | per tile: start, chunks' MMAs done, "
-         "handed off | fc1 done, fc2 planned, exit (kcycles after the CTA's wait)\n",
+  printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy\n"
+         "  | per tile: [enter, start (looked up), first stage full, chunks' MMAs done, handed off]\n"
+         "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
+         "wait)\n",
          last);
   for (int i = 0; i < last && i < grid; ++i) {
     const int c = order[i];
-    printf("  cta %3d: %5.2f %5.2f |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0, at(c, kMarkRouted));
-    for (int t = kMarkTiles; t + kMarksPerTile <= kMarkSlots && at(c, t + kMarkTileStart) >= 0; t += kMarksPerTile)
-      printf(" [%.1f %.1f %.1f]", at(c, t + kMarkTileStart), at(c, t + kMarkTileSums), at(c, t + kMarkTileDone));
-    printf(" | %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned), at(c, kMarkExit));
+    printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0,
+           at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy));
+    for (int t = kMarkTiles; t + kMarksPerTile <= kMarkSlots && at(c, t + kMarkTileEnter) >= 0; t += kMarksPerTile)
+      printf(" [%.2f %.2f %.2f %.2f %.2f]", at(c, t + kMarkTileEnter), at(c, t + kMarkTileStart),
+             at(c, t + kMarkTileData), at(c, t + kMarkTileSums), at(c, t + kMarkTileDone));
+    printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
+           at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
   }
   for (Dev *d : packed) delete d;
   return 0;

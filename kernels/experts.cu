@@ -467,6 +467,8 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
         mbar_arrive_expect_tx(&full[s], ph.chunk_bytes(c));
         bulk_copy_streaming(stage_at(smem, p.smem, s).weights, p.packed + ph.chunk_offset(expert, ref.tile, c),
                             ph.chunk_bytes(c), &full[s], policy);
+        KX_MARK_BY_IF(c == 0 && index == (int)blockIdx.x, kMarkFirstCopy);
+        KX_MARK_BY_IF(c == 0 && !ref.fc1 && index - (int)gridDim.x < fc1_tiles, kMarkFirstFc2Copy);
       }
       __syncwarp();
     }
@@ -610,6 +612,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         if (lane == 0) mbar_arrive(&full[s]);
         continue;
       }
+      KX_MARK_BY_IF(lane == 0 && c == 0 && !ref.fc1 && index - (int)gridDim.x < fc1_tiles, kMarkFc2ActStage);
       const int nkb = ph.chunk_k_blocks(c);
       if (ref.fc1 && kLocalX) {
         if (lane == 0) mbar_arrive(&full[s]); /* the MMA warps read x where it lies */
@@ -621,6 +624,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
       else
         copy_hidden_block(p, st, &full[s], unit, c);
+      KX_MARK_BY_IF(lane == 0 && c == 0 && !ref.fc1 && index - (int)gridDim.x < fc1_tiles, kMarkFc2ActDone);
     }
   }
 }
@@ -800,11 +804,13 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
   constexpr bool kOneToken = kLocalX || kChunkScale;
   const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
   for (; index < end; index += gridDim.x) {
+    KX_MARK_TILE(index, kMarkTileEnter);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const TileRef ref = direct ? tile_ref(p, index, cp.fc1_tiles) : TileRef{};
     /* the launch's one token's slots, before the chunks: off the tail */
     const uint32_t slots = direct ? routed_slots(r, 0, p.shape.top_k, r.expert_id[r.unit_expert[ref.unit]]) : 0;
     KX_MARK_TILE(index, kMarkTileStart);
+    KX_MARK_TILE_AFTER(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity), index, kMarkTileData);
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
@@ -846,7 +852,7 @@ template <bool kLocalX>
 __device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
                                               int fc1_tiles, int index, int end, ConsumerRing &ring) {
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
-  if (!fc1) KX_MARK(kMarkFc2Planned);
+  KX_MARK(fc1 ? kMarkFc1Planned : kMarkFc2Planned);
   constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
     consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
@@ -1299,6 +1305,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   } else {
     /* 2. the rows no tile will write */
     write_nan_rows(p, r);
+    KX_MARK(kMarkNanDone);
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                       reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};

@@ -3,8 +3,9 @@
  * nothing and the kernel is the library's.
  *
  * Thread 0 of each CTA (lane 0 of MMA warp 0) stamps clock64() into its CTA's row of
- * kMarkSlots words: the fixed points of MarkSlot, then three per tile of the CTA (its n-th
- * tile's TileMark k at kMarkTiles + n * kMarksPerTile + k; tiles past the row are not kept).
+ * kMarkSlots words: the fixed points of MarkSlot, then kMarksPerTile per tile of the CTA (its
+ * n-th tile's TileMark k at kMarkTiles + n * kMarksPerTile + k; tiles past the row are not
+ * kept); lane 0 of the weight warp and of an activation warp stamp the copies' slots.
  * Nothing is stamped inside the chunk loops, whose schedule the stamps would change. Each
  * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
@@ -23,13 +24,21 @@ enum MarkSlot {
   kMarkExit,        /* the MMA warps' last tile is handed off */
   kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and at kMarkExit: the CTAs on one clock */
   kMarkExitNs,
-  kMarkTiles = 10,
-  kMarksPerTile = 3,
-  kMarkSlots = 64,  /* 18 tiles */
+  kMarkNanDone,     /* the MMA warps are past write_nan_rows */
+  kMarkFc1Planned,  /* the MMA warps' FC1 plan is made */
+  kMarkFirstCopy,   /* the weight warp issued its first copy */
+  kMarkFirstFc2Copy, /* the weight warp issued its first FC2 tile's first copy */
+  kMarkFc2ActStage, /* the first FC2 tile's first chunk: its activation warp has the stage */
+  kMarkFc2ActDone,  /* ... and has copied or gathered its activations */
+  kMarkTiles = 16,
+  kMarksPerTile = 5,
+  kMarkSlots = 128, /* 22 tiles */
 };
 
 enum TileMark {
+  kMarkTileEnter, /* the loop's top, before the tile's lookups */
   kMarkTileStart, /* before its first chunk's stage wait */
+  kMarkTileData,  /* its first stage is full (waited for outside the loop, marks builds only) */
   kMarkTileSums,  /* its chunks' MMAs done */
   kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
 };
@@ -39,8 +48,12 @@ constexpr int kMarkMaxCtas = 1024;
 #ifdef KX_MARKS
 static __device__ unsigned long long g_marks[kMarkMaxCtas * kMarkSlots]; /* this translation unit's */
 
+__device__ __forceinline__ void mark_by_caller(int slot, unsigned long long value) {
+  if (slot < kMarkSlots) g_marks[blockIdx.x * kMarkSlots + slot] = value;
+}
+
 __device__ __forceinline__ void mark_at(int slot, unsigned long long value) {
-  if (threadIdx.x == 0 && slot < kMarkSlots) g_marks[blockIdx.x * kMarkSlots + slot] = value;
+  if (threadIdx.x == 0) mark_by_caller(slot, value);
 }
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -51,13 +64,21 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 #define KX_MARK(slot) ::kx::mark_at((slot), clock64())
 #define KX_MARK_NS(slot) ::kx::mark_at((slot), ::kx::global_ns())
+/* stamped by the calling thread (the caller picks one), if cond */
+#define KX_MARK_BY_IF(cond, slot) \
+  do { if (cond) ::kx::mark_by_caller((slot), clock64()); } while (0)
+
 /* mark k (TileMark) of the tile at index: this CTA's tiles are blockIdx.x, + gridDim.x, ... */
-#define KX_MARK_TILE(index, k) \
-  ::kx::mark_at(::kx::kMarkTiles + ((index) - (int)blockIdx.x) / (int)gridDim.x * ::kx::kMarksPerTile + (k), clock64())
+#define KX_MARK_TILE_SLOT(index, k) (::kx::kMarkTiles + ((index) - (int)blockIdx.x) / (int)gridDim.x * ::kx::kMarksPerTile + (k))
+#define KX_MARK_TILE(index, k) ::kx::mark_at(KX_MARK_TILE_SLOT(index, k), clock64())
+/* marks builds only: wait (a statement), then stamp */
+#define KX_MARK_TILE_AFTER(wait, index, k) do { wait; KX_MARK_TILE(index, k); } while (0)
 #else
 #define KX_MARK(slot) ((void)0)
 #define KX_MARK_NS(slot) ((void)0)
+#define KX_MARK_BY_IF(cond, slot) ((void)0)
 #define KX_MARK_TILE(index, k) ((void)0)
+#define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
 }  // namespace kx
