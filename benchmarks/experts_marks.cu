@@ -140,8 +140,8 @@ int main(int argc, char **argv) {
   CHECK(cudaStreamSynchronize(stream));
   CHECK(cudaGraphExecDestroy(ge));
   const int grid = cfg.grid;
-  std::vector<unsigned long long> m((size_t)grid * kMarkSlots);
-  CHECK(kx_marks_read(m.data(), grid));
+  std::vector<unsigned long long> m((size_t)grid * kMarkSlots), tm((size_t)kMarkMaxTiles * kMarksPerTile);
+  CHECK(kx_marks_read(m.data(), grid, tm.data(), kMarkMaxTiles));
   /* kcycles from CTA c's predecessor wait to its stamp in slot (-1: none). Under programmatic
    * dependent launch a CTA enters as an SM frees, often long before the predecessor ends, so
    * its work is timed from the wait. */
@@ -150,6 +150,12 @@ int main(int argc, char **argv) {
     return row[slot] ? (double)(long long)(row[slot] - row[kMarkWaited]) / 1000.0 : -1.0;
   };
   const auto ns = [&](int c, int slot) { return m[(size_t)c * kMarkSlots + slot]; };
+  /* mark k of CTA c's n-th tile (-1: none) */
+  const auto tile_at = [&](int c, int n, int k) {
+    const size_t index = (size_t)c + (size_t)n * grid;
+    const unsigned long long v = index < (size_t)kMarkMaxTiles ? tm[index * kMarksPerTile + k] : 0;
+    return v ? (double)(long long)(v - m[(size_t)c * kMarkSlots + kMarkWaited]) / 1000.0 : -1.0;
+  };
 
   printf("%s B=%d: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch, us,
          layers, grid);
@@ -159,10 +165,10 @@ int main(int argc, char **argv) {
     done = std::max(done, ns(c, kMarkExitNs));
   }
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)", "routed", "nan rows done", "fc1 planned", "first copy", "fc1 done",
-                         "fc2 planned", "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
-  const int slots[] = {kMarkEntry,   kMarkRouted,     kMarkNanDone,      kMarkFc1Planned,  kMarkFirstCopy, kMarkFc1Done,
-                       kMarkFc2Planned, kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
+  const char *names[] = {"entry (< 0)", "routed",   "nan rows done",  "fc1 planned",   "first copy",   "first full",
+                         "fc1 done",    "fc2 planned", "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
+  const int slots[] = {kMarkEntry,      kMarkRouted,       kMarkNanDone,     kMarkFc1Planned, kMarkFirstCopy, kMarkFirstFull,
+                       kMarkFc1Done,    kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
   printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
   for (int k = 0; k < n_fixed; ++k) {
@@ -176,18 +182,20 @@ int main(int argc, char **argv) {
   std::vector<int> order(grid);
   for (int c = 0; c < grid; ++c) order[c] = c;
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
-  printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy\n"
+  printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy, "
+         "first full\n"
          "  | per tile: [enter, start (looked up), first stage full, chunks' MMAs done, handed off]\n"
          "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
          "wait)\n",
          last);
   for (int i = 0; i < last && i < grid; ++i) {
     const int c = order[i];
-    printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0,
-           at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy));
-    for (int t = kMarkTiles; t + kMarksPerTile <= kMarkSlots && at(c, t + kMarkTileEnter) >= 0; t += kMarksPerTile)
-      printf(" [%.2f %.2f %.2f %.2f %.2f]", at(c, t + kMarkTileEnter), at(c, t + kMarkTileStart),
-             at(c, t + kMarkTileData), at(c, t + kMarkTileSums), at(c, t + kMarkTileDone));
+    printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0,
+           at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy),
+           at(c, kMarkFirstFull));
+    for (int n = 0; tile_at(c, n, kMarkTileEnter) >= 0; ++n)
+      printf(" [%.2f %.2f %.2f %.2f %.2f]", tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
+             tile_at(c, n, kMarkTileData), tile_at(c, n, kMarkTileSums), tile_at(c, n, kMarkTileDone));
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
   }

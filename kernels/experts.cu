@@ -1078,6 +1078,8 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
+  KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles, mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0),
+                      kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
   const int end = fc2_rows_by_mma_warps(p, block_scaled_hidden(kLocalX)) ? fc1_tiles : total_tiles;
   for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(kEpilogueWarps)) {
@@ -1434,13 +1436,18 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
 
 #ifdef KX_MARKS
 extern "C" cudaError_t kx_marks_clear(cudaStream_t stream) {
-  void *marks = nullptr;
+  void *marks = nullptr, *tile_marks = nullptr;
   cudaError_t err = cudaGetSymbolAddress(&marks, kx::g_marks);
-  return err != cudaSuccess ? err : cudaMemsetAsync(marks, 0, sizeof kx::g_marks, stream);
+  if (err == cudaSuccess) err = cudaGetSymbolAddress(&tile_marks, kx::g_tile_marks);
+  if (err == cudaSuccess) err = cudaMemsetAsync(marks, 0, sizeof kx::g_marks, stream);
+  return err != cudaSuccess ? err : cudaMemsetAsync(tile_marks, 0, sizeof kx::g_tile_marks, stream);
 }
 
-extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas) {
-  return cudaMemcpyFromSymbol(host, kx::g_marks, sizeof(unsigned long long) * kx::kMarkSlots * ctas);
+extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas, unsigned long long *tile_host, int tiles) {
+  cudaError_t err = cudaMemcpyFromSymbol(host, kx::g_marks, sizeof(unsigned long long) * kx::kMarkSlots * ctas);
+  return err != cudaSuccess ? err
+                            : cudaMemcpyFromSymbol(tile_host, kx::g_tile_marks,
+                                                   sizeof(unsigned long long) * kx::kMarksPerTile * tiles);
 }
 #endif
 

@@ -3,9 +3,10 @@
  * nothing and the kernel is the library's.
  *
  * Thread 0 of each CTA (lane 0 of MMA warp 0) stamps clock64() into its CTA's row of
- * kMarkSlots words: the fixed points of MarkSlot, then kMarksPerTile per tile of the CTA (its
- * n-th tile's TileMark k at kMarkTiles + n * kMarksPerTile + k; tiles past the row are not
- * kept); lane 0 of the weight warp and of an activation warp stamp the copies' slots.
+ * kMarkSlots words (the points of MarkSlot) and kMarksPerTile words per tile, at the tile's
+ * launch-wide index (tile i is CTA i % grid's; tiles past kMarkMaxTiles are not kept), so a
+ * stamp costs no division; lane 0 of the weight warp, of an activation warp and of an
+ * epilogue warp stamp the copies' slots.
  * Nothing is stamped inside the chunk loops, whose schedule the stamps would change. Each
  * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
@@ -30,9 +31,8 @@ enum MarkSlot {
   kMarkFirstFc2Copy, /* the weight warp issued its first FC2 tile's first copy */
   kMarkFc2ActStage, /* the first FC2 tile's first chunk: its activation warp has the stage */
   kMarkFc2ActDone,  /* ... and has copied or gathered its activations */
-  kMarkTiles = 16,
-  kMarksPerTile = 5,
-  kMarkSlots = 128, /* 22 tiles */
+  kMarkFirstFull,   /* the ring's first stage is full (seen by an epilogue warp, idle then) */
+  kMarkSlots = 16,
 };
 
 enum TileMark {
@@ -43,10 +43,13 @@ enum TileMark {
   kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
 };
 
-constexpr int kMarkMaxCtas = 1024;
+constexpr int kMarksPerTile = 5;
+constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
-static __device__ unsigned long long g_marks[kMarkMaxCtas * kMarkSlots]; /* this translation unit's */
+/* this translation unit's */
+static __device__ unsigned long long g_marks[kMarkMaxCtas * kMarkSlots];
+static __device__ unsigned long long g_tile_marks[kMarkMaxTiles * kMarksPerTile];
 
 __device__ __forceinline__ void mark_by_caller(int slot, unsigned long long value) {
   if (slot < kMarkSlots) g_marks[blockIdx.x * kMarkSlots + slot] = value;
@@ -67,16 +70,23 @@ __device__ __forceinline__ unsigned long long global_ns() {
 /* stamped by the calling thread (the caller picks one), if cond */
 #define KX_MARK_BY_IF(cond, slot) \
   do { if (cond) ::kx::mark_by_caller((slot), clock64()); } while (0)
+/* marks builds only: if cond, the calling thread waits (a statement), then stamps */
+#define KX_MARK_BY_IF_AFTER(cond, wait, slot) \
+  do { if (cond) { wait; ::kx::mark_by_caller((slot), clock64()); } } while (0)
 
-/* mark k (TileMark) of the tile at index: this CTA's tiles are blockIdx.x, + gridDim.x, ... */
-#define KX_MARK_TILE_SLOT(index, k) (::kx::kMarkTiles + ((index) - (int)blockIdx.x) / (int)gridDim.x * ::kx::kMarksPerTile + (k))
-#define KX_MARK_TILE(index, k) ::kx::mark_at(KX_MARK_TILE_SLOT(index, k), clock64())
+__device__ __forceinline__ void mark_tile(int index, int k, unsigned long long value) {
+  if (threadIdx.x == 0 && index < kMarkMaxTiles) g_tile_marks[index * kMarksPerTile + k] = value;
+}
+
+/* mark k (TileMark) of the tile at launch-wide index */
+#define KX_MARK_TILE(index, k) ::kx::mark_tile((index), (k), clock64())
 /* marks builds only: wait (a statement), then stamp */
 #define KX_MARK_TILE_AFTER(wait, index, k) do { wait; KX_MARK_TILE(index, k); } while (0)
 #else
 #define KX_MARK(slot) ((void)0)
 #define KX_MARK_NS(slot) ((void)0)
 #define KX_MARK_BY_IF(cond, slot) ((void)0)
+#define KX_MARK_BY_IF_AFTER(cond, wait, slot) ((void)0)
 #define KX_MARK_TILE(index, k) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
@@ -85,7 +95,7 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 #ifdef KX_MARKS
 /* experts.cu's marks, cleared before a launch (on its stream) and read after it: the grid's
- * first `ctas` rows of kMarkSlots words */
+ * first `ctas` rows of kMarkSlots words, and the first `tiles` tiles' kMarksPerTile words */
 extern "C" cudaError_t kx_marks_clear(cudaStream_t stream);
-extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas);
+extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas, unsigned long long *tile_host, int tiles);
 #endif
