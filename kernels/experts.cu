@@ -203,7 +203,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
 struct SmemLayout {
   int ring, full, empty, parked, freed, reduce, call, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
-  int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals;
+  int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals, unit_pairs;
   int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
   int bytes;
 };
@@ -238,6 +238,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.chunk_mask = take(4 * 32, 4);
   L.scan_tmp = take(4 * 32, 4);
   L.totals = take(4 * 4, 4);
+  L.unit_pairs = take(4 * 32, 4); /* one-warp routing: at most 32 units */
   L.pair_expert = take(2 * pairs, 2);
   L.expert_id = take(2 * pairs, 2);
   L.unit_expert = take(2 * max_units_for(pairs), 2);
@@ -806,9 +807,12 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
   for (; index < end; index += gridDim.x) {
     KX_MARK_TILE(index, kMarkTileEnter);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const TileRef ref = direct ? tile_ref(p, index, cp.fc1_tiles) : TileRef{};
-    /* the launch's one token's slots, before the chunks: off the tail */
-    const uint32_t slots = direct ? routed_slots(r, 0, p.shape.top_k, r.expert_id[r.unit_expert[ref.unit]]) : 0;
+    /* the launch's one token's slots, before the chunks: off the tail. One token routes in one
+     * warp, so unit u is compact expert u and its pairs are the token's slots (a scan of the K
+     * slots here, on all 16 MMA warps at once, took B = 1's MMA warps ~0.7 kcycles a tile) */
+    const int unit = direct ? p.fc2.per_tiles(index - cp.fc1_tiles) : 0;
+    const int tile = index - cp.fc1_tiles - unit * p.fc2.tiles;
+    const uint32_t slots = direct ? r.unit_pairs[unit] : 0;
     KX_MARK_TILE(index, kMarkTileStart);
     KX_MARK_TILE_AFTER(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity), index, kMarkTileData);
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
@@ -827,7 +831,7 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
       ring.pos.advance(kStages);
     }
     KX_MARK_TILE(index, kMarkTileSums);
-    if (direct) store_token_rows(p, ref.tile, slots, acc);
+    if (direct) store_token_rows(p, tile, slots, acc);
     else hand_off(p, smem, ring, acc);
     KX_MARK_TILE(index, kMarkTileDone);
   }
@@ -1225,7 +1229,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
                   reinterpret_cast<uint16_t *>(smem + L.unit_expert), smem + L.unit_group,
                   reinterpret_cast<int *>(smem + L.token_experts), reinterpret_cast<int *>(smem + L.token_bad),
                   reinterpret_cast<uint32_t *>(smem + L.chunk_mask), reinterpret_cast<int *>(smem + L.scan_tmp),
-                  reinterpret_cast<int *>(smem + L.totals)};
+                  reinterpret_cast<int *>(smem + L.totals), reinterpret_cast<uint32_t *>(smem + L.unit_pairs)};
   const int warp = threadIdx.x >> 5;
   unsigned long long *call_slot = reinterpret_cast<unsigned long long *>(smem + L.call);
 

@@ -25,7 +25,7 @@ enum MarkSlot {
   kMarkExit,        /* the MMA warps' last tile is handed off */
   kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and at kMarkExit: the CTAs on one clock */
   kMarkExitNs,
-  kMarkNanDone,     /* the MMA warps are past write_nan_rows */
+  kMarkNanDone,     /* write_nan_rows is done (stamped by a warp that writes them) */
   kMarkFc1Planned,  /* the MMA warps' FC1 plan is made */
   kMarkFirstCopy,   /* the weight warp issued its first copy */
   kMarkFirstFc2Copy, /* the weight warp issued its first FC2 tile's first copy */

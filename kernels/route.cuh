@@ -17,6 +17,8 @@
  *   expert_scan[c]     (first hidden row << 16) | first unit   (exclusive prefix sums)
  *   unit_expert[u], unit_group[u]: unit u = tokens 8g..8g+7 of expert c
  *   token_experts[t]   distinct valid experts of token t; token_bad[t]: t has a bad id
+ *   unit_pairs[u]      one-warp routing only: the pairs (lanes) routed to unit u's expert, so
+ *                      a one-token launch's unit has its slots in one load
  * A token that repeats an expert in several slots is computed once (one hidden row);
  * the output is written to each of those slots.
  */
@@ -52,6 +54,7 @@ struct Routing {
   uint32_t *chunk_mask;
   int *scan_tmp;
   int *totals; /* [0] experts, [1] units, [2] hidden rows */
+  uint32_t *unit_pairs;
 };
 
 /* Tokens of unit u, its expert and where its hidden rows start. */
@@ -180,6 +183,7 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
     r.expert_scan[c] = ((rows_through - rows) << 16) | c;
     r.unit_expert[c] = (uint16_t)c;
     r.unit_group[c] = 0;
+    r.unit_pairs[c] = same;
   }
   if (lane < tokens) {
     r.token_experts[lane] = __popc(token_firsts & lanes_of(lane));
