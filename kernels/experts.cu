@@ -1109,17 +1109,20 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
 }
 
 /* ---- rows that no tile writes: bad ids (SPEC 7) ------------------------------------ */
-__device__ void write_nan_rows(const Params &p, const Routing &r) {
-  const int K = p.shape.top_k, H = p.shape.hidden, tid = threadIdx.x;
+/* By the epilogue warps (tid: a thread's index among them) before their first tile, which
+ * comes a tile's chunks later: on the MMA warps this was on B = 1's path to its first MMA. */
+__device__ void write_nan_rows(const Params &p, const Routing &r, int tid) {
+  constexpr int kThreadsWriting = kEpilogueWarps * 32;
+  const int K = p.shape.top_k, H = p.shape.hidden;
   const __nv_bfloat16 nan = __ushort_as_bfloat16(kBf16Nan);
   if (p.route_weights) {
     for (int t = blockIdx.x; t < p.tokens; t += gridDim.x)
       if (r.token_experts[t] == 0)
-        for (int c = tid; c < H; c += kConsumerThreads) p.out[(int64_t)(p.tok0 + t) * p.out_ld + c] = nan;
+        for (int c = tid; c < H; c += kThreadsWriting) p.out[(int64_t)(p.tok0 + t) * p.out_ld + c] = nan;
   } else {
     for (int q = blockIdx.x; q < p.tokens * K; q += gridDim.x)
       if (r.pair_expert[q] < 0)
-        for (int c = tid; c < H; c += kConsumerThreads) p.out[(int64_t)(p.tok0 * K + q) * p.out_ld + c] = nan;
+        for (int c = tid; c < H; c += kThreadsWriting) p.out[(int64_t)(p.tok0 * K + q) * p.out_ld + c] = nan;
   }
 }
 
@@ -1307,11 +1310,11 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
     produce_activations<kLocalX>(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
   } else if (warp >= kFirstEpilogueWarp) {
+    /* 2. the rows no tile will write */
+    write_nan_rows(p, r, threadIdx.x - kFirstEpilogueWarp * 32);
+    KX_MARK_BY_IF(threadIdx.x == kFirstEpilogueWarp * 32, kMarkNanDone);
     run_epilogues<kLocalX>(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
-    /* 2. the rows no tile will write */
-    write_nan_rows(p, r);
-    KX_MARK(kMarkNanDone);
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                       reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
