@@ -799,7 +799,7 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
 template <int kUnits, int kStep, bool kLocalX, bool kChunkScale>
-__device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *smem, const Routing &r,
+__device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *smem, const Routing &r,
                                                     const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
   static_assert(kLocalXMaxTokens == 1, "local x and block-scaled hidden rows mean one token");
   constexpr bool kOneToken = kLocalX || kChunkScale;
@@ -835,17 +835,18 @@ __device__ __forceinline__ void consume_phase_tiles(const Params &p, uint8_t *sm
     else hand_off(p, smem, ring, acc);
     KX_MARK_TILE(index, kMarkTileDone);
   }
+  return index; /* the first of the CTA's tiles at or past end: the next phase's first */
 }
 
 template <int kStep, bool kLocalX, bool kChunkScale>
-__device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t *smem, const Routing &r,
+__device__ __forceinline__ int consume_phase_by_units(const Params &p, uint8_t *smem, const Routing &r,
                                                        const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
-    case 3: consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
-    case 2: consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
-    case 1: consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
-    default: consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring); break;
+    case 4: return consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
+    case 3: return consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
+    case 2: return consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
+    case 1: return consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
+    default: return consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
   }
 }
 
@@ -853,19 +854,18 @@ __device__ __forceinline__ void consume_phase_by_units(const Params &p, uint8_t 
  * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
  * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. */
 template <bool kLocalX>
-__device__ __forceinline__ void consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
+__device__ __forceinline__ int consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
                                               int fc1_tiles, int index, int end, ConsumerRing &ring) {
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
   KX_MARK(fc1 ? kMarkFc1Planned : kMarkFc2Planned);
   constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
-    consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
-    return;
+    return consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
   }
   switch (cp.k_step) {
-    case 4: consume_phase_by_units<4, false, kScales>(p, smem, r, cp, index, end, ring); break;
-    case 2: consume_phase_by_units<2, false, kScales>(p, smem, r, cp, index, end, ring); break;
-    default: consume_phase_by_units<1, false, kScales>(p, smem, r, cp, index, end, ring); break;
+    case 4: return consume_phase_by_units<4, false, kScales>(p, smem, r, cp, index, end, ring);
+    case 2: return consume_phase_by_units<2, false, kScales>(p, smem, r, cp, index, end, ring);
+    default: return consume_phase_by_units<1, false, kScales>(p, smem, r, cp, index, end, ring);
   }
 }
 
@@ -1318,16 +1318,11 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                       reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
-    /* this CTA's first FC2 tile: the first of its tiles (blockIdx.x, + gridDim.x, ...) at
-     * or past fc1_tiles */
-    const int first_fc2 = (int)blockIdx.x >= fc1_tiles
-                              ? (int)blockIdx.x
-                              : (int)blockIdx.x + (fc1_tiles - (int)blockIdx.x + (int)gridDim.x - 1) /
-                                                      (int)gridDim.x * (int)gridDim.x;
+    /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
+    int index = blockIdx.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */
-      consume_phase<kLocalX>(p, smem, r, fc1, fc1_tiles, fc1 ? (int)blockIdx.x : first_fc2,
-                             fc1 ? fc1_tiles : total_tiles, ring);
+      index = consume_phase<kLocalX>(p, smem, r, fc1, fc1_tiles, index, fc1 ? fc1_tiles : total_tiles, ring);
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
     KX_MARK_NS(kMarkExitNs);
