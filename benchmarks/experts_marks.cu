@@ -150,10 +150,20 @@ int main(int argc, char **argv) {
     return row[slot] ? (double)(long long)(row[slot] - row[kMarkWaited]) / 1000.0 : -1.0;
   };
   const auto ns = [&](int c, int slot) { return m[(size_t)c * kMarkSlots + slot]; };
+  /* each CTA's tiles in the order it took them (the tile deal decides which) */
+  std::vector<std::vector<int>> tiles_of(grid);
+  for (int index = 0; index < kMarkMaxTiles; ++index) {
+    const unsigned long long cta = tm[(size_t)index * kMarksPerTile + kMarkTileCta];
+    if (cta >= 1 && cta <= (unsigned long long)grid) tiles_of[cta - 1].push_back(index);
+  }
+  for (auto &list : tiles_of)
+    std::sort(list.begin(), list.end(), [&](int a, int b) {
+      return tm[(size_t)a * kMarksPerTile + kMarkTileEnter] < tm[(size_t)b * kMarksPerTile + kMarkTileEnter];
+    });
   /* mark k of CTA c's n-th tile (-1: none) */
   const auto tile_at = [&](int c, int n, int k) {
-    const size_t index = (size_t)c + (size_t)n * grid;
-    const unsigned long long v = index < (size_t)kMarkMaxTiles ? tm[index * kMarksPerTile + k] : 0;
+    if (n >= (int)tiles_of[c].size()) return -1.0;
+    const unsigned long long v = tm[(size_t)tiles_of[c][n] * kMarksPerTile + k];
     return v ? (double)(long long)(v - m[(size_t)c * kMarkSlots + kMarkWaited]) / 1000.0 : -1.0;
   };
 
@@ -184,7 +194,7 @@ int main(int argc, char **argv) {
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
   printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy, "
          "first full\n"
-         "  | per tile: [enter, start (looked up), first stage full, chunks' MMAs done, handed off]\n"
+         "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off]\n"
          "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
          "wait)\n",
          last);
@@ -194,7 +204,7 @@ int main(int argc, char **argv) {
            at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy),
            at(c, kMarkFirstFull));
     for (int n = 0; tile_at(c, n, kMarkTileEnter) >= 0; ++n)
-      printf(" [%.2f %.2f %.2f %.2f %.2f]", tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
+      printf(" %d:[%.2f %.2f %.2f %.2f %.2f]", tiles_of[c][n], tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
              tile_at(c, n, kMarkTileData), tile_at(c, n, kMarkTileSums), tile_at(c, n, kMarkTileDone));
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));

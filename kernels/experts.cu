@@ -805,7 +805,7 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
   constexpr bool kOneToken = kLocalX || kChunkScale;
   const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
   for (; index < end; index += gridDim.x) {
-    KX_MARK_TILE(index, kMarkTileEnter);
+    KX_MARK_TILE_ENTER(index);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     /* the launch's one token's slots, before the chunks: off the tail. One token routes in one
      * warp, so unit u is compact expert u and its pairs are the token's slots (a scan of the K

@@ -41,9 +41,10 @@ enum TileMark {
   kMarkTileData,  /* its first stage is full (waited for outside the loop, marks builds only) */
   kMarkTileSums,  /* its chunks' MMAs done */
   kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
+  kMarkTileCta,   /* not a clock: the CTA that ran it, plus 1 */
 };
 
-constexpr int kMarksPerTile = 5;
+constexpr int kMarksPerTile = 6;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
@@ -78,8 +79,10 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
   if (threadIdx.x == 0 && index < kMarkMaxTiles) g_tile_marks[index * kMarksPerTile + k] = value;
 }
 
-/* mark k (TileMark) of the tile at launch-wide index */
+/* mark k (TileMark) of the tile at launch-wide index; the enter mark also names the CTA */
 #define KX_MARK_TILE(index, k) ::kx::mark_tile((index), (k), clock64())
+#define KX_MARK_TILE_ENTER(index) \
+  do { KX_MARK_TILE(index, ::kx::kMarkTileEnter); ::kx::mark_tile((index), ::kx::kMarkTileCta, blockIdx.x + 1); } while (0)
 /* marks builds only: wait (a statement), then stamp */
 #define KX_MARK_TILE_AFTER(wait, index, k) do { wait; KX_MARK_TILE(index, k); } while (0)
 #else
@@ -88,6 +91,7 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_BY_IF(cond, slot) ((void)0)
 #define KX_MARK_BY_IF_AFTER(cond, wait, slot) ((void)0)
 #define KX_MARK_TILE(index, k) ((void)0)
+#define KX_MARK_TILE_ENTER(index) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
