@@ -88,12 +88,18 @@ def main():
     ap.add_argument("--replays", type=int, default=60)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--large", action="store_true", help="also B = 128, 256")
+    ap.add_argument("--batches", help="only these B, comma-separated (a study, not the record)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", "experts-h200.json"))
+    record = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "experts-h200.json")
+    ap.add_argument("--out", default=record)
     args = ap.parse_args()
     if args.replays < 50:
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
+    if args.batches:
+        if os.path.abspath(args.out) == record:
+            ap.error("--batches: give --out (a study must not replace the record)")
+        if not all(b.isdigit() and int(b) >= 1 for b in args.batches.split(",")):
+            ap.error("--batches: B values >= 1, comma-separated")
 
     import torch
     import kimi_experts as kx
@@ -101,6 +107,8 @@ def main():
     if not kx.cuda_available():
         sys.exit(f"no usable GPU: {kx.backend_info()['reason']}")
     batches = BATCHES + ([128, 256] if args.large else [])
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     hbm = measure_hbm_read_bandwidth()
     print(f"HBM read bandwidth: {hbm:.3f} TB/s (probe_read over 4 GiB)", flush=True)
     rows = []

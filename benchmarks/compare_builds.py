@@ -36,11 +36,13 @@ def build(tree: str) -> None:
         sys.exit(f"building {tree} failed: see {log}")
 
 
-def bench(tree: str, shapes: str, out: str) -> dict:
+def bench(tree: str, shapes: str, batches: str | None, out: str) -> dict:
     """One bench_experts.py run of tree: its JSON (rows, the run's HBM read)."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    subprocess.run([sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out],
-                   cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    cmd = [sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out]
+    if batches:
+        cmd += ["--batches", batches]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         return json.load(f)
 
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("trees", nargs="+", help="checkouts of this repository, the base first")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--shapes", default="k3-tp8,tp16")
+    ap.add_argument("--batches", help="only these B (bench_experts.py --batches)")
     ap.add_argument("--build", action="store_true", help="build each tree in place first")
     args = ap.parse_args()
     names = tree_names(args.trees)
@@ -87,7 +90,7 @@ def main():
         for p in range(args.passes):
             for tree, name in zip(args.trees, names):
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
-                run = bench(tree, args.shapes, os.path.join(tmp, "rows.json"))
+                run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"))
                 hbm.setdefault(name, []).append(run.get("hbm_read_TBps"))
                 for row in run["rows"]:
                     times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])

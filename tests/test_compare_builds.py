@@ -73,3 +73,19 @@ def test_build_logs_under_build_and_stops_on_failure(tmp_path):
     assert f"building {bad} failed: see {bad / 'build' / 'compare_builds.log'}" in done.stderr
     assert (good / "build" / "compare_builds.log").read_text() == "built\n"
     assert "no compiler" in (bad / "build" / "compare_builds.log").read_text()
+
+
+def test_batches_reach_each_run(tmp_path):
+    tree = tmp_path / "t"
+    bench = tree / "benchmarks" / "bench_experts.py"
+    bench.parent.mkdir(parents=True)
+    bench.write_text(f"""
+import json, sys
+open({str(tree / "argv")!r}, "a").write(" ".join(sys.argv[1:]) + "\\n")
+json.dump({{"rows": [{{"shape": "tp16", "B": 2, "us": 3.0}}]}}, open(sys.argv[sys.argv.index("--out") + 1], "w"))
+""")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tree), "--passes", "2", "--shapes", "tp16",
+                           "--batches", "1,2"], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[1] == "tp16 2 | 3.00/3.00"
+    runs = (tree / "argv").read_text().splitlines()
+    assert len(runs) == 2 and all(r.startswith("--shapes tp16 --out ") and r.endswith(" --batches 1,2") for r in runs)
