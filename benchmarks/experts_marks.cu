@@ -28,6 +28,7 @@
 #include "harness.cuh"
 #include "kimi_kernels.h"
 #include "marks.cuh"
+#include "moe_layout.cuh"
 
 #ifndef KX_MARKS
 #error "build with -DKX_MARKS (the command in this file's header)"
@@ -150,6 +151,11 @@ int main(int argc, char **argv) {
     return row[slot] ? (double)(long long)(row[slot] - row[kMarkWaited]) / 1000.0 : -1.0;
   };
   const auto ns = [&](int c, int slot) { return m[(size_t)c * kMarkSlots + slot]; };
+  unsigned long long waited = ~0ull, done = 0;
+  for (int c = 0; c < grid; ++c) {
+    waited = std::min(waited, ns(c, kMarkWaitedNs));
+    done = std::max(done, ns(c, kMarkExitNs));
+  }
   /* each CTA's tiles in the order it took them (the tile deal decides which) */
   std::vector<std::vector<int>> tiles_of(grid);
   for (int index = 0; index < kMarkMaxTiles; ++index) {
@@ -160,6 +166,17 @@ int main(int argc, char **argv) {
     std::sort(list.begin(), list.end(), [&](int a, int b) {
       return tm[(size_t)a * kMarksPerTile + kMarkTileEnter] < tm[(size_t)b * kMarksPerTile + kMarkTileEnter];
     });
+  /* a %globaltimer tile mark in us after the grid's first predecessor wait (-1: none) */
+  const auto tile_ns = [&](int index, int k) {
+    const unsigned long long v = tm[(size_t)index * kMarksPerTile + k];
+    return v ? (double)(long long)(v - waited) / 1000.0 : -1.0;
+  };
+  /* one token: the units are the K distinct experts; each unit's last FC1 tile to store its hidden words */
+  const PhaseShape fc1 = fc1_shape(E, H, I), fc2 = fc2_shape(E, H, I);
+  const int units = batch == 1 ? K : 0, fc1_tiles = units * fc1.tiles;
+  std::vector<double> last_stored(units, -1.0);
+  for (int index = 0; index < fc1_tiles; ++index)
+    last_stored[index / fc1.tiles] = std::max(last_stored[index / fc1.tiles], tile_ns(index, kMarkTileStored));
   /* mark k of CTA c's n-th tile (-1: none) */
   const auto tile_at = [&](int c, int n, int k) {
     if (n >= (int)tiles_of[c].size()) return -1.0;
@@ -169,11 +186,6 @@ int main(int argc, char **argv) {
 
   printf("%s B=%d: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch, us,
          layers, grid);
-  unsigned long long waited = ~0ull, done = 0;
-  for (int c = 0; c < grid; ++c) {
-    waited = std::min(waited, ns(c, kMarkWaitedNs));
-    done = std::max(done, ns(c, kMarkExitNs));
-  }
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
   const char *names[] = {"entry (< 0)", "routed",   "nan rows done",  "fc1 planned",   "first copy",   "first full",
                          "fc1 done",    "fc2 planned", "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
@@ -194,7 +206,9 @@ int main(int argc, char **argv) {
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
   printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy, "
          "first full\n"
-         "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off]\n"
+         "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off\n"
+         "  |   | one-token FC1: its hidden words stored | FC2: its unit's last FC1 tile stored, each chunk's\n"
+         "  |     hidden words seen (these three in us after the first CTA's wait, globaltimer)]\n"
          "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
          "wait)\n",
          last);
@@ -203,9 +217,17 @@ int main(int argc, char **argv) {
     printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0,
            at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy),
            at(c, kMarkFirstFull));
-    for (int n = 0; tile_at(c, n, kMarkTileEnter) >= 0; ++n)
-      printf(" %d:[%.2f %.2f %.2f %.2f %.2f]", tiles_of[c][n], tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
+    for (int n = 0; tile_at(c, n, kMarkTileEnter) >= 0; ++n) {
+      const int index = tiles_of[c][n];
+      printf(" %d:[%.2f %.2f %.2f %.2f %.2f", index, tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
              tile_at(c, n, kMarkTileData), tile_at(c, n, kMarkTileSums), tile_at(c, n, kMarkTileDone));
+      if (tile_ns(index, kMarkTileStored) >= 0) printf(" | stored %.2f", tile_ns(index, kMarkTileStored));
+      if (index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
+        printf(" | unit's last stored %.2f", last_stored[(index - fc1_tiles) / fc2.tiles]);
+      for (int k = 0; k < kMarkSeenChunks && tile_ns(index, kMarkTileSeen + k) >= 0; ++k)
+        printf("%s%.2f", k ? " " : ", seen ", tile_ns(index, kMarkTileSeen + k));
+      printf("]");
+    }
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
   }

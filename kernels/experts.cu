@@ -621,8 +621,10 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       } else if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
                          rows, unit.count, nkb * kActBlockBytes);
-      else if (block_scaled_hidden(kLocalX))
+      else if (block_scaled_hidden(kLocalX)) {
         gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
+        KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
+      }
       else
         copy_hidden_block(p, st, &full[s], unit, c);
       KX_MARK_BY_IF(lane == 0 && c == 0 && !ref.fc1 && index - (int)gridDim.x < fc1_tiles, kMarkFc2ActDone);
@@ -1096,6 +1098,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     if (kLocalX && ref.fc1 && lane < unit.count) tt.mult = local_x_mult[tt.token];
     if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt, call);
     else store_fc2_sums(p, reduce, unit, ref, tt);
+    KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
     __syncwarp();
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */

@@ -42,9 +42,13 @@ enum TileMark {
   kMarkTileSums,  /* its chunks' MMAs done */
   kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
   kMarkTileCta,   /* not a clock: the CTA that ran it, plus 1 */
+  /* these two on %globaltimer (ns), since they are compared across CTAs: */
+  kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
+  kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
 };
 
-constexpr int kMarksPerTile = 6;
+constexpr int kMarksPerTile = 10;
+constexpr int kMarkSeenChunks = kMarksPerTile - kMarkTileSeen;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
@@ -75,12 +79,19 @@ __device__ __forceinline__ unsigned long long global_ns() {
 #define KX_MARK_BY_IF_AFTER(cond, wait, slot) \
   do { if (cond) { wait; ::kx::mark_by_caller((slot), clock64()); } } while (0)
 
+__device__ __forceinline__ void mark_tile_by_caller(int index, int k, unsigned long long value) {
+  if (index < kMarkMaxTiles) g_tile_marks[index * kMarksPerTile + k] = value;
+}
+
 __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long value) {
-  if (threadIdx.x == 0 && index < kMarkMaxTiles) g_tile_marks[index * kMarksPerTile + k] = value;
+  if (threadIdx.x == 0) mark_tile_by_caller(index, k, value);
 }
 
 /* mark k (TileMark) of the tile at launch-wide index; the enter mark also names the CTA */
 #define KX_MARK_TILE(index, k) ::kx::mark_tile((index), (k), clock64())
+/* %globaltimer stamped by the calling thread (the caller picks one), if cond */
+#define KX_MARK_TILE_NS_BY_IF(cond, index, k) \
+  do { if (cond) ::kx::mark_tile_by_caller((index), (k), ::kx::global_ns()); } while (0)
 #define KX_MARK_TILE_ENTER(index) \
   do { KX_MARK_TILE(index, ::kx::kMarkTileEnter); ::kx::mark_tile((index), ::kx::kMarkTileCta, blockIdx.x + 1); } while (0)
 /* marks builds only: wait (a statement), then stamp */
@@ -92,6 +103,7 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_BY_IF_AFTER(cond, wait, slot) ((void)0)
 #define KX_MARK_TILE(index, k) ((void)0)
 #define KX_MARK_TILE_ENTER(index) ((void)0)
+#define KX_MARK_TILE_NS_BY_IF(cond, index, k) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
