@@ -187,10 +187,12 @@ int main(int argc, char **argv) {
   printf("%s B=%d: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch, us,
          layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)", "routed",   "nan rows done",  "fc1 planned",   "first copy",   "first full",
-                         "fc1 done",    "fc2 planned", "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
-  const int slots[] = {kMarkEntry,      kMarkRouted,       kMarkNanDone,     kMarkFc1Planned, kMarkFirstCopy, kMarkFirstFull,
-                       kMarkFc1Done,    kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
+  const char *names[] = {"entry (< 0)", "routed",      "nan rows done",  "fc1 planned",
+                         "first copy",  "first full",  "fc1 done",       "fc2 planned",
+                         "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
+  const int slots[] = {kMarkEntry,      kMarkRouted,       kMarkNanDone,     kMarkFc1Planned,
+                       kMarkFirstCopy,  kMarkFirstFull,    kMarkFc1Done,     kMarkFc2Planned,
+                       kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
   printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
   for (int k = 0; k < n_fixed; ++k) {

@@ -198,7 +198,8 @@ int main() {
     std::vector<float> lat, trips;
     for (int cta = kPollEvery; cta < grid; cta += kPollEvery) {
       trips.push_back(rt[cta] / 1000.0f);
-      for (int r = 1; r <= kRounds; ++r) lat.push_back(((long long)(se[(size_t)cta * (kRounds + 1) + r] - st[r])) / 1000.0f);
+      for (int r = 1; r <= kRounds; ++r)
+        lat.push_back((long long)(se[(size_t)cta * (kRounds + 1) + r] - st[r]) / 1000.0f);
     }
     const double streamed = c.stream ? (double)grid * kChunksPerCta * kChunk / (ms * 1e-3) / 1e12 : 0.0;
     printf("%-30s %6.2f / %6.2f / %6.2f   %5.2f   %5.2f (over the whole launch)\n", c.name, percentile(lat, 0.5),

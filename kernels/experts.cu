@@ -624,9 +624,9 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       else if (block_scaled_hidden(kLocalX)) {
         gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
-      }
-      else
+      } else {
         copy_hidden_block(p, st, &full[s], unit, c);
+      }
       KX_MARK_BY_IF(lane == 0 && c == 0 && !ref.fc1 && index - (int)gridDim.x < fc1_tiles, kMarkFc2ActDone);
     }
   }
@@ -1084,8 +1084,8 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
-  KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles, mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0),
-                      kMarkFirstFull);
+  KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
+                      mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
   const int end = fc2_rows_by_mma_warps(p, block_scaled_hidden(kLocalX)) ? fc1_tiles : total_tiles;
   for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(kEpilogueWarps)) {

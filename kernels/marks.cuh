@@ -93,7 +93,10 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_TILE_NS_BY_IF(cond, index, k) \
   do { if (cond) ::kx::mark_tile_by_caller((index), (k), ::kx::global_ns()); } while (0)
 #define KX_MARK_TILE_ENTER(index) \
-  do { KX_MARK_TILE(index, ::kx::kMarkTileEnter); ::kx::mark_tile((index), ::kx::kMarkTileCta, blockIdx.x + 1); } while (0)
+  do {                                                                    \
+    KX_MARK_TILE(index, ::kx::kMarkTileEnter);                            \
+    ::kx::mark_tile((index), ::kx::kMarkTileCta, blockIdx.x + 1);         \
+  } while (0)
 /* marks builds only: wait (a statement), then stamp */
 #define KX_MARK_TILE_AFTER(wait, index, k) do { wait; KX_MARK_TILE(index, k); } while (0)
 #else
