@@ -6,13 +6,18 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
  *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
+ *                                      [--inputs cold|hot]
  *
  * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
  * bench_experts.py, every layer with the same ids (B tokens, distinct experts per token), so
  * every launch has the same deal. Prints the time per layer (median of 60 replays; the marks
  * cost a few instructions per chunk, so compare marks builds with marks builds), then the last
  * layer's marks of one more replay: kcycles after each CTA's predecessor wait, the median and
- * the largest over the grid, and the tile timeline of the N CTAs that exit last.
+ * the largest over the grid, and the tile timeline of the N CTAs that exit last. With
+ * --inputs hot a small kernel rewrites x and the ids (the same values) before each layer, as the
+ * router and the layer before would write them, so the layer finds them in L2 (the time per layer
+ * then includes that launch); cold (the default, as bench_experts.py) leaves them where the
+ * other layers' weights pushed them.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -47,6 +52,14 @@ __global__ void fill_weights(uint8_t *bytes, size_t n, uint32_t seed, int scales
   }
 }
 
+/* Rewrites n words in place (the same values), so they sit in L2 as freshly written data. */
+__global__ void rewrite_words(uint32_t *words, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    volatile uint32_t *w = words + i;
+    *w = *w;
+  }
+}
+
 static void random_bytes(void *p, size_t n, uint32_t seed, int scales, cudaStream_t stream) {
   fill_weights<<<1024, 256, 0, stream>>>((uint8_t *)p, n, seed, scales);
   CHECK(cudaGetLastError());
@@ -56,6 +69,7 @@ int main(int argc, char **argv) {
   kx_moe_shape s = {384, 3584, 384, 16};
   const char *name = "k3-tp8";
   int batch = 1, last = 12;
+  bool hot_inputs = false;
   for (int i = 1; i < argc; i += 2) {
     const char *value = i + 1 < argc ? argv[i + 1] : "";
     if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
@@ -65,8 +79,11 @@ int main(int argc, char **argv) {
       batch = atoi(value);
     } else if (!strcmp(argv[i], "--last") && atoi(value) > 0) {
       last = atoi(value);
+    } else if (!strcmp(argv[i], "--inputs") && (!strcmp(value, "hot") || !strcmp(value, "cold"))) {
+      hot_inputs = !strcmp(value, "hot");
     } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
-      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N)\n", argv[i], value);
+      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot)\n", argv[i],
+              value);
       return 2;
     }
   }
@@ -130,7 +147,14 @@ int main(int argc, char **argv) {
     a.beta = a.linear_beta = INFINITY;
   }
   const auto layers_body = [&] {
-    for (int l = 0; l < layers; ++l) CHECK(kx_moe_run(&args[l], stream));
+    for (int l = 0; l < layers; ++l) {
+      if (hot_inputs) {
+        rewrite_words<<<1, 256, 0, stream>>>(dx.as<uint32_t>(), (int)(xh.size() / 2));
+        rewrite_words<<<1, 256, 0, stream>>>(dids.as<uint32_t>(), (int)ids.size());
+        CHECK(cudaGetLastError());
+      }
+      CHECK(kx_moe_run(&args[l], stream));
+    }
   };
   const float us = graph_us(stream, layers_body) / layers;
 
@@ -184,8 +208,8 @@ int main(int argc, char **argv) {
     return v ? (double)(long long)(v - m[(size_t)c * kMarkSlots + kMarkWaited]) / 1000.0 : -1.0;
   };
 
-  printf("%s B=%d: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch, us,
-         layers, grid);
+  printf("%s B=%d, %s inputs: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch,
+         hot_inputs ? "hot" : "cold", us, layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
   const char *names[] = {"entry (< 0)", "routed",      "nan rows done",  "fc1 planned",
                          "first copy",  "first full",  "fc1 done",       "fc2 planned",
