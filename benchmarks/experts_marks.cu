@@ -1,7 +1,8 @@
 /* experts_marks.cu: where one experts launch spends its time, CTA by CTA. A stand-alone
  * program through the C door (kernels/kimi_kernels.h) with the kernel built with -DKX_MARKS
  * (kernels/marks.cuh): lane 0 of each CTA's MMA warp 0 stamps its clock at fixed points and at
- * each of its tiles' steps, and the copy warps at their first copies. Not part of the library build.
+ * each of its tiles' steps; the copy and epilogue warps stamp their first copies and the one-token
+ * hand-off (hidden words stored, seen). Not part of the library build.
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
