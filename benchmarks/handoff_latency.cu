@@ -38,18 +38,6 @@ constexpr int kChunksPerCta = 900; /* ~2 GB over 132 SMs: longer than the rounds
 constexpr int kThreads = 96;
 constexpr int kSmem = kMaxStages * kChunk + 2 * kMaxStages * 8;
 
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ unsigned int load_relaxed_u32(const unsigned int *p) {
-  unsigned int v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 struct Config {
   const char *name;
   int stream, stages, in_flight;
@@ -90,16 +78,16 @@ __device__ void release_chunks(uint64_t *full, uint64_t *empty, int stages) {
 
 /* Rounds up to v seen now. */
 __device__ __forceinline__ void record(unsigned long long v, int &next, unsigned long long *seen) {
-  const unsigned long long t = now_ns();
+  const unsigned long long t = kx::global_ns();
   for (; next <= kRounds && (unsigned long long)next <= v; ++next) seen[next] = t;
 }
 
 __device__ void poll(const Buffers &b, int in_flight) {
   /* the round trip first: a chain of dependent loads */
   unsigned int at = blockIdx.x % kChaseWords;
-  const unsigned long long t0 = now_ns();
-  for (int i = 0; i < kChase; ++i) at = load_relaxed_u32(b.chase + at);
-  const unsigned long long rtt = (now_ns() - t0) / kChase;
+  const unsigned long long t0 = kx::global_ns();
+  for (int i = 0; i < kChase; ++i) at = kx::load_relaxed(b.chase + at);
+  const unsigned long long rtt = (kx::global_ns() - t0) / kChase;
   b.rtt_ns[blockIdx.x] = rtt + (at == 0xFFFFFFFFu); /* uses the chain's end, so it is not dropped */
   unsigned long long *seen = b.seen + (size_t)blockIdx.x * (kRounds + 1);
   int next = 1;
@@ -120,14 +108,14 @@ __device__ void poll(const Buffers &b, int in_flight) {
 }
 
 __device__ void write_rounds(const Buffers &b) {
-  const unsigned long long start = now_ns() + 100000; /* after the pollers' round trips, streaming steady */
-  while (now_ns() < start) {
+  const unsigned long long start = kx::global_ns() + 100000; /* after the pollers' round trips, streaming steady */
+  while (kx::global_ns() < start) {
   }
   for (int r = 1; r <= kRounds; ++r) {
-    const unsigned long long t = now_ns();
+    const unsigned long long t = kx::global_ns();
     b.stored[r] = t;
     kx::store_relaxed(b.flag, (unsigned long long)r);
-    while (now_ns() < t + kRoundNs) {
+    while (kx::global_ns() < t + kRoundNs) {
     }
   }
 }

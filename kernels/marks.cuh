@@ -14,6 +14,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "pipeline.cuh" /* global_ns */
+
 namespace kx {
 
 enum MarkSlot {
@@ -62,12 +64,6 @@ __device__ __forceinline__ void mark_by_caller(int slot, unsigned long long valu
 
 __device__ __forceinline__ void mark_at(int slot, unsigned long long value) {
   if (threadIdx.x == 0) mark_by_caller(slot, value);
-}
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
 }
 
 #define KX_MARK(slot) ::kx::mark_at((slot), clock64())

@@ -106,6 +106,19 @@ __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long l
   return v;
 }
 
+__device__ __forceinline__ unsigned int load_relaxed(const unsigned int *p) {
+  unsigned int v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/* %globaltimer in ns: one clock for every SM (clock64 is per SM) */
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 /* Spins until a counter that only grows has reached target, modulo 2^32 (it may wrap).
