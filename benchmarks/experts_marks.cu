@@ -212,12 +212,12 @@ int main(int argc, char **argv) {
   printf("%s B=%d, %s inputs: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch,
          hot_inputs ? "hot" : "cold", us, layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)", "routed",      "nan rows done",  "fc1 planned",
-                         "first copy",  "first full",  "fc1 done",       "fc2 planned",
-                         "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
-  const int slots[] = {kMarkEntry,      kMarkRouted,       kMarkNanDone,     kMarkFc1Planned,
-                       kMarkFirstCopy,  kMarkFirstFull,    kMarkFc1Done,     kMarkFc2Planned,
-                       kMarkFirstFc2Copy, kMarkFc2ActStage, kMarkFc2ActDone, kMarkExit};
+  const char *names[] = {"entry (< 0)",   "router tables", "router synced",  "weights enter", "first copy",
+                         "routed",        "nan rows done", "fc1 planned",    "first full",    "fc1 done",
+                         "fc2 planned",   "first fc2 copy", "fc2 act stage", "fc2 act done",  "exit"};
+  const int slots[] = {kMarkEntry,        kMarkRouterTables, kMarkRouterSynced, kMarkWeightsEnter, kMarkFirstCopy,
+                       kMarkRouted,       kMarkNanDone,      kMarkFc1Planned,   kMarkFirstFull,    kMarkFc1Done,
+                       kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage,  kMarkFc2ActDone,   kMarkExit};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
   printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
   for (int k = 0; k < n_fixed; ++k) {
@@ -231,9 +231,10 @@ int main(int argc, char **argv) {
   std::vector<int> order(grid);
   for (int c = 0; c < grid; ++c) order[c] = c;
   std::sort(order.begin(), order.end(), [&](int a, int b) { return ns(a, kMarkExitNs) > ns(b, kMarkExitNs); });
-  printf("the %d CTAs that exit last: wait (us after the first), routed, nan rows done, fc1 planned, first copy, "
-         "first full\n"
-         "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off\n"
+  printf("the %d CTAs that exit last: wait (us after the first), router tables, router synced, weights enter, first "
+         "copy, routed, nan rows done, fc1 planned, first full\n"
+         "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off (MMA warp 0)\n"
+         "  |   | every MMA warp's sums parked, the epilogue's stores done (its epilogue warp)\n"
          "  |   | one-token FC1: its hidden words stored | FC2: its unit's last FC1 tile stored, each chunk's\n"
          "  |     hidden words seen (these three in us after the first CTA's wait, globaltimer)]\n"
          "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
@@ -241,13 +242,16 @@ int main(int argc, char **argv) {
          last);
   for (int i = 0; i < last && i < grid; ++i) {
     const int c = order[i];
-    printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c, (ns(c, kMarkWaitedNs) - waited) / 1000.0,
-           at(c, kMarkRouted), at(c, kMarkNanDone), at(c, kMarkFc1Planned), at(c, kMarkFirstCopy),
-           at(c, kMarkFirstFull));
+    printf("  cta %3d: %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f %5.2f\n   |", c,
+           (ns(c, kMarkWaitedNs) - waited) / 1000.0, at(c, kMarkRouterTables), at(c, kMarkRouterSynced),
+           at(c, kMarkWeightsEnter), at(c, kMarkFirstCopy), at(c, kMarkRouted), at(c, kMarkNanDone),
+           at(c, kMarkFc1Planned), at(c, kMarkFirstFull));
     for (int n = 0; tile_at(c, n, kMarkTileEnter) >= 0; ++n) {
       const int index = tiles_of[c][n];
       printf(" %d:[%.2f %.2f %.2f %.2f %.2f", index, tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
              tile_at(c, n, kMarkTileData), tile_at(c, n, kMarkTileSums), tile_at(c, n, kMarkTileDone));
+      if (tile_at(c, n, kMarkTileParked) >= 0)
+        printf(" | parked %.2f stored %.2f", tile_at(c, n, kMarkTileParked), tile_at(c, n, kMarkTileEpilogue));
       if (tile_ns(index, kMarkTileStored) >= 0) printf(" | stored %.2f", tile_ns(index, kMarkTileStored));
       if (index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
         printf(" | unit's last stored %.2f", last_stored[(index - fc1_tiles) / fc2.tiles]);

@@ -457,6 +457,7 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
   const uint64_t policy = l2_evict_first_policy();
   RingPos pos;
+  KX_MARK_BY_IF((threadIdx.x & 31) == 0, kMarkWeightsEnter);
   for (int index = blockIdx.x; index < total_tiles; index += gridDim.x) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
@@ -1094,11 +1095,13 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     const Unit unit = unit_info(r, ref.unit);
     TileTokens tt = tile_tokens<kLocalX>(p, r, unit, ref, call);
     mbar_wait(&parked[e], slot.parity);
+    KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileParked);
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
     if (kLocalX && ref.fc1 && lane < unit.count) tt.mult = local_x_mult[tt.token];
     if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt, call);
     else store_fc2_sums(p, reduce, unit, ref, tt);
     KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
+    KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileEpilogue);
     __syncwarp();
     /* the slot is free before the hand-offs (a unit's fence, atomic and quantization): the
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
@@ -1199,6 +1202,7 @@ __device__ __forceinline__ void route_one_token(const Params &p, const Routing &
   }
   route_one_warp(r, warm ? dummy_ids : p.ids, warm ? p.shape.top_k : p.ids_ld, 1, p.shape.top_k, p.shape.experts,
                  lane, [&](int pair, int id) { if (!warm) report_bad_id(p, pair, id); });
+  KX_MARK_BY_IF(!warm && lane == 0, kMarkRouterTables);
 }
 
 /* Runs step(true) before the predecessor wait, then step(false) after it, from one call
@@ -1289,6 +1293,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
        * lane 0 the routing waited for this load before it loaded the ids) */
       if (route_tid == kRouteThreads - 32) record_call(p, call_slot, p.sync->calls[blockIdx.x] + 1);
       route_sync(); /* the router warp's tables are in */
+      KX_MARK_BY_IF(route_tid == 0, kMarkRouterSynced);
       named_barrier_arrive(kRoutedBarrier, kThreads);
     }
   } else {

@@ -5,8 +5,8 @@
  * Thread 0 of each CTA (lane 0 of MMA warp 0) stamps clock64() into its CTA's row of
  * kMarkSlots words (the points of MarkSlot) and kMarksPerTile words per tile, at the tile's
  * launch-wide index (tile i is CTA i % grid's; tiles past kMarkMaxTiles are not kept), so a
- * stamp costs no division; lane 0 of the weight warp, of an activation warp and of an
- * epilogue warp stamp the copies' slots.
+ * stamp costs no division; lane 0 of the router / weight warp, of an activation warp and of an
+ * epilogue warp stamp the routing's, the copies' and the epilogues' slots.
  * Nothing is stamped inside the chunk loops, whose schedule the stamps would change. Each
  * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
@@ -34,7 +34,10 @@ enum MarkSlot {
   kMarkFc2ActStage, /* the first FC2 tile's first chunk: its activation warp has the stage */
   kMarkFc2ActDone,  /* ... and has copied or gathered its activations */
   kMarkFirstFull,   /* the ring's first stage is full (seen by an epilogue warp, idle then) */
-  kMarkSlots = 16,
+  kMarkRouterTables, /* one-token launches: the router warp wrote the tables (ids loaded and matched) */
+  kMarkRouterSynced, /* ... and passed the routing group's barrier */
+  kMarkWeightsEnter, /* the weight warp entered its stream, before its first tile's lookups */
+  kMarkSlots = 18,
 };
 
 enum TileMark {
@@ -44,12 +47,14 @@ enum TileMark {
   kMarkTileSums,  /* its chunks' MMAs done */
   kMarkTileDone,  /* its sums handed to an epilogue warp (or its rows stored) */
   kMarkTileCta,   /* not a clock: the CTA that ran it, plus 1 */
+  kMarkTileParked,   /* its epilogue warp found every MMA warp's sums parked */
+  kMarkTileEpilogue, /* ... and had stored them (its rows, or h / the tagged hidden words) */
   /* these two on %globaltimer (ns), since they are compared across CTAs: */
   kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
   kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
 };
 
-constexpr int kMarksPerTile = 10;
+constexpr int kMarksPerTile = 12;
 constexpr int kMarkSeenChunks = kMarksPerTile - kMarkTileSeen;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
@@ -88,6 +93,9 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 /* %globaltimer stamped by the calling thread (the caller picks one), if cond */
 #define KX_MARK_TILE_NS_BY_IF(cond, index, k) \
   do { if (cond) ::kx::mark_tile_by_caller((index), (k), ::kx::global_ns()); } while (0)
+/* clock64() stamped by the calling thread, if cond */
+#define KX_MARK_TILE_BY_IF(cond, index, k) \
+  do { if (cond) ::kx::mark_tile_by_caller((index), (k), clock64()); } while (0)
 #define KX_MARK_TILE_ENTER(index) \
   do {                                                                    \
     KX_MARK_TILE(index, ::kx::kMarkTileEnter);                            \
@@ -103,6 +111,7 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_TILE(index, k) ((void)0)
 #define KX_MARK_TILE_ENTER(index) ((void)0)
 #define KX_MARK_TILE_NS_BY_IF(cond, index, k) ((void)0)
+#define KX_MARK_TILE_BY_IF(cond, index, k) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
