@@ -369,8 +369,9 @@ __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool 
 /* The same block spread over a warp, lane k holding element k: returns its e4m3 code and
  * sets *scale to the block's E8M0 byte, bit for bit quantize_block32's. */
 __device__ __forceinline__ uint32_t quantize_lanes(float v, bool floor_mode, uint32_t *scale) {
-  uint32_t m = __float_as_uint(v) & 0x7FFFFFFFu; /* |v| bits order like |v|; Inf and NaN above all */
-  for (int d = 16; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+  /* |v| bits order like |v|; Inf and NaN above all. One warp reduction, not five shuffles: on
+   * the one-token hand-off's path, where each shuffle queues behind the MMA warps' shared loads */
+  const uint32_t m = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(v) & 0x7FFFFFFFu);
   const bool finite = m < 0x7F800000u;
   const int e = finite ? mxfp8_exponent(__uint_as_float(m), floor_mode) : 0;
   *scale = finite ? (uint32_t)(e + kE8m0Bias) : kE8m0Nan;
@@ -941,28 +942,31 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
   static_assert(!kBlocks || kLocalXMaxTokens == 1, "tagged blocks are one token's: one pass, lane k = column k");
-  for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
-    const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
-    const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
-    const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
-    /* local x: the MMA columns are the launch's tokens */
-    const int col = kLocalX ? __shfl_sync(0xFFFFFFFFu, tt.token, token) : token;
-    float h = 0.0f;
-    if (o < items) {
-      const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, col, mult);
-      const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, col, mult);
-      h = situ(gate, up, p.beta, p.linear_beta);
-      if (!kBlocks) p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
+  if constexpr (kBlocks) {
+    /* the launch's one token: MMA column 0, its multiplier in every lane (run_epilogues), so
+     * the block's path to its tagged words holds no shuffle but the quantization's */
+    const int row = lane % kStripRows, pair = lane / kStripRows;
+    const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, 0, tt.mult);
+    const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, 0, tt.mult);
+    /* FC1 tile f's 32 hidden columns are FC2's k-block f */
+    store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
+                        situ(gate, up, p.beta, p.linear_beta), p.hidden_floor, call);
+  } else {
+    for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
+      const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
+      const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
+      const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
+      float h = 0.0f;
+      if (o < items) {
+        const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, token, mult);
+        const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, token, mult);
+        h = situ(gate, up, p.beta, p.linear_beta);
+        p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
+      }
+      uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
+      for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+      if (row == 0 && o < items) atomicMax(&p.sync->h_amax[unit.row0 + token], m);
     }
-    if constexpr (kBlocks) {
-      /* FC1 tile f's 32 hidden columns are FC2's k-block f */
-      store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h,
-                          p.hidden_floor, call);
-      continue;
-    }
-    uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
-    for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
-    if (row == 0 && o < items) atomicMax(&p.sync->h_amax[unit.row0 + token], m);
   }
 }
 
@@ -1097,7 +1101,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     mbar_wait(&parked[e], slot.parity);
     KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileParked);
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
-    if (kLocalX && ref.fc1 && lane < unit.count) tt.mult = local_x_mult[tt.token];
+    if (kLocalX && ref.fc1) tt.mult = local_x_mult[0]; /* the launch's one token, in every lane */
     if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt, call);
     else store_fc2_sums(p, reduce, unit, ref, tt);
     KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
