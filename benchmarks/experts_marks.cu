@@ -253,7 +253,7 @@ int main(int argc, char **argv) {
       if (tile_at(c, n, kMarkTileParked) >= 0)
         printf(" | parked %.2f stored %.2f", tile_at(c, n, kMarkTileParked), tile_at(c, n, kMarkTileEpilogue));
       if (tile_ns(index, kMarkTileStored) >= 0) printf(" | stored %.2f", tile_ns(index, kMarkTileStored));
-      if (index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
+      if (units > 0 && index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
         printf(" | unit's last stored %.2f", last_stored[(index - fc1_tiles) / fc2.tiles]);
       for (int k = 0; k < kMarkSeenChunks && tile_ns(index, kMarkTileSeen + k) >= 0; ++k)
         printf("%s%.2f", k ? " " : ", seen ", tile_ns(index, kMarkTileSeen + k));
