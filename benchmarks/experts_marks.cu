@@ -7,7 +7,7 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
  *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
- *                                      [--inputs cold|hot]
+ *                                      [--inputs cold|hot|near]
  *
  * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
  * bench_experts.py, every layer with the same ids (B tokens, distinct experts per token), so
@@ -18,7 +18,8 @@
  * --inputs hot a small kernel rewrites x and the ids (the same values) before each layer, as the
  * router and the layer before would write them, so the layer finds them in L2 (the time per layer
  * then includes that launch); cold (the default, as bench_experts.py) leaves them where the
- * other layers' weights pushed them.
+ * other layers' weights pushed them; near puts them right after the scratch, in pages every call
+ * touches (is the start's first load slow for its address translation?).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -70,7 +71,7 @@ int main(int argc, char **argv) {
   kx_moe_shape s = {384, 3584, 384, 16};
   const char *name = "k3-tp8";
   int batch = 1, last = 12;
-  bool hot_inputs = false;
+  bool hot_inputs = false, near_inputs = false;
   for (int i = 1; i < argc; i += 2) {
     const char *value = i + 1 < argc ? argv[i + 1] : "";
     if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
@@ -80,11 +81,13 @@ int main(int argc, char **argv) {
       batch = atoi(value);
     } else if (!strcmp(argv[i], "--last") && atoi(value) > 0) {
       last = atoi(value);
-    } else if (!strcmp(argv[i], "--inputs") && (!strcmp(value, "hot") || !strcmp(value, "cold"))) {
+    } else if (!strcmp(argv[i], "--inputs") &&
+               (!strcmp(value, "hot") || !strcmp(value, "cold") || !strcmp(value, "near"))) {
       hot_inputs = !strcmp(value, "hot");
+      near_inputs = !strcmp(value, "near");
     } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
-      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot)\n", argv[i],
-              value);
+      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near)\n",
+              argv[i], value);
       return 2;
     }
   }
@@ -119,16 +122,20 @@ int main(int argc, char **argv) {
     std::shuffle(perm.begin(), perm.end(), rng);
     for (int j = 0; j < K; ++j) ids[(size_t)t * K + j] = perm[j];
   }
-  Dev dx(xh.size() * 2), dids(ids.size() * 4), dout((size_t)batch * K * H * 2);
-  /* everything on `stream`: a non-blocking stream does not wait for the legacy default one */
-  CHECK(cudaMemcpyAsync(dx.p, xh.data(), xh.size() * 2, cudaMemcpyHostToDevice, stream));
-  CHECK(cudaMemcpyAsync(dids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream));
-
   kx_moe_config cfg;
   CHECK(kx_moe_configure(&s, 0, &cfg));
   const size_t scratch_bytes = kx_moe_scratch_bytes(&s, &cfg);
-  Dev scratch(scratch_bytes);
+  /* --inputs near: x and the ids right after the scratch, in the pages every call touches */
+  const size_t x_bytes = xh.size() * 2, ids_bytes = ids.size() * 4, near_at = (scratch_bytes + 255) / 256 * 256;
+  const size_t ids_near = near_at + (x_bytes + 255) / 256 * 256;
+  Dev scratch(near_inputs ? ids_near + ids_bytes : scratch_bytes), dx(x_bytes), dids(ids_bytes),
+      dout((size_t)batch * K * H * 2);
+  uint16_t *x_at = near_inputs ? (uint16_t *)(scratch.as<uint8_t>() + near_at) : dx.as<uint16_t>();
+  int32_t *ids_at = near_inputs ? (int32_t *)(scratch.as<uint8_t>() + ids_near) : dids.as<int32_t>();
+  /* everything on `stream`: a non-blocking stream does not wait for the legacy default one */
   CHECK(cudaMemsetAsync(scratch.p, 0, scratch_bytes, stream));
+  CHECK(cudaMemcpyAsync(x_at, xh.data(), x_bytes, cudaMemcpyHostToDevice, stream));
+  CHECK(cudaMemcpyAsync(ids_at, ids.data(), ids_bytes, cudaMemcpyHostToDevice, stream));
   CHECK(cudaStreamSynchronize(stream));
   std::vector<kx_moe_args> args(layers);
   for (int l = 0; l < layers; ++l) {
@@ -138,9 +145,9 @@ int main(int argc, char **argv) {
     a.config = cfg;
     a.packed = packed[l]->p;
     a.scratch = scratch.p;
-    a.x = dx.as<uint16_t>();
+    a.x = x_at;
     a.x_row_stride = H;
-    a.ids = dids.as<int32_t>();
+    a.ids = ids_at;
     a.ids_row_stride = K;
     a.out = dout.as<uint16_t>();
     a.out_row_stride = H;
@@ -150,8 +157,8 @@ int main(int argc, char **argv) {
   const auto layers_body = [&] {
     for (int l = 0; l < layers; ++l) {
       if (hot_inputs) {
-        rewrite_words<<<1, 256, 0, stream>>>(dx.as<uint32_t>(), (int)(xh.size() / 2));
-        rewrite_words<<<1, 256, 0, stream>>>(dids.as<uint32_t>(), (int)ids.size());
+        rewrite_words<<<1, 256, 0, stream>>>((uint32_t *)x_at, (int)(xh.size() / 2));
+        rewrite_words<<<1, 256, 0, stream>>>((uint32_t *)ids_at, (int)ids.size());
         CHECK(cudaGetLastError());
       }
       CHECK(kx_moe_run(&args[l], stream));
@@ -210,14 +217,14 @@ int main(int argc, char **argv) {
   };
 
   printf("%s B=%d, %s inputs: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch,
-         hot_inputs ? "hot" : "cold", us, layers, grid);
+         hot_inputs ? "hot" : near_inputs ? "near" : "cold", us, layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)",   "router tables", "router synced",  "weights enter", "first copy",
-                         "routed",        "nan rows done", "fc1 planned",    "first full",    "fc1 done",
-                         "fc2 planned",   "first fc2 copy", "fc2 act stage", "fc2 act done",  "exit"};
-  const int slots[] = {kMarkEntry,        kMarkRouterTables, kMarkRouterSynced, kMarkWeightsEnter, kMarkFirstCopy,
-                       kMarkRouted,       kMarkNanDone,      kMarkFc1Planned,   kMarkFirstFull,    kMarkFc1Done,
-                       kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage,  kMarkFc2ActDone,   kMarkExit};
+  const char *names[] = {"entry (< 0)",   "router tables",  "router synced", "weights enter", "weights looked",
+                         "first copy",    "routed",         "nan rows done", "fc1 planned",   "first full",
+                         "fc1 done",      "fc2 planned",    "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
+  const int slots[] = {kMarkEntry,      kMarkRouterTables, kMarkRouterSynced, kMarkWeightsEnter, kMarkWeightsLooked,
+                       kMarkFirstCopy,  kMarkRouted,       kMarkNanDone,      kMarkFc1Planned,   kMarkFirstFull,
+                       kMarkFc1Done,    kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage,  kMarkFc2ActDone, kMarkExit};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
   printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
   for (int k = 0; k < n_fixed; ++k) {

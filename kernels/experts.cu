@@ -463,6 +463,7 @@ __device__ void produce_weights(const Params &p, uint8_t *smem, const Routing &r
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
     const int expert = r.expert_id[r.unit_expert[ref.unit]];
+    KX_MARK_BY_IF((threadIdx.x & 31) == 0 && index == (int)blockIdx.x && expert >= 0, kMarkWeightsLooked);
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages)) {
       const int s = pos.stage;
       mbar_wait(&empty[s], pos.parity ^ 1);

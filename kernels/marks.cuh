@@ -37,7 +37,8 @@ enum MarkSlot {
   kMarkRouterTables, /* one-token launches: the router warp wrote the tables (ids loaded and matched) */
   kMarkRouterSynced, /* ... and passed the routing group's barrier */
   kMarkWeightsEnter, /* the weight warp entered its stream, before its first tile's lookups */
-  kMarkSlots = 18,
+  kMarkWeightsLooked, /* ... and has its first tile's expert, before its first stage wait */
+  kMarkSlots = 19,
 };
 
 enum TileMark {
