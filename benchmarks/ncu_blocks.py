@@ -70,10 +70,10 @@ def read_source_csv(lines) -> list[Instruction]:
     for row in rows[start + 1:]:
         if len(row) < len(header) or not row[0].startswith("0x"):
             continue
-        num = lambda name: int(row[col[name]] or 0)
-        out.append(Instruction(int(row[0], 16), row[col["Source"]].strip(), num("# Samples"),
-                               num("Instructions Executed"),
-                               {reason: int(row[k] or 0) for reason, k in stall_cols}))
+        count = lambda k: int(row[k] or 0)  # noqa: E731 (columns such as "Address Space" are not numbers)
+        out.append(Instruction(int(row[0], 16), row[col["Source"]].strip(), count(col["# Samples"]),
+                               count(col["Instructions Executed"]),
+                               {reason: count(k) for reason, k in stall_cols}))
     return out
 
 

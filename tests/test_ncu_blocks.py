@@ -14,14 +14,14 @@ sys.modules[_spec.name] = ncu_blocks  # its dataclasses look their module up
 _spec.loader.exec_module(ncu_blocks)
 
 # the layout of `ncu -i REP --page source --csv --print-source sass`: a kernel-name row, then the
-# header; each stall reason twice (all samples, and not-issued samples)
+# header; columns that are not counts ("-"); each stall reason twice (all samples, and not-issued samples)
 CSV = """\
 "Kernel Name","void k(int)",
-"Address","Source","# Samples","Instructions Executed","stall_no_inst","stall_wait","stall_no_inst (Not Issued)"
-"0x1000","      ISETP.NE.AND P0, PT, R14, 0x3, PT","10","4","8","2","8"
-"0x1010","      @P0   BRA 0x1030","0","4","0","0","0"
-"0x1020","      IADD3 R1, R1, 0x1, RZ","2","2","0","2","0"
-"0x1030","      EXIT","4","4","4","0","4"
+"Address","Source","# Samples","Instructions Executed","Address Space","stall_no_inst","stall_wait","stall_no_inst (Not Issued)"
+"0x1000","      ISETP.NE.AND P0, PT, R14, 0x3, PT","10","4","-","8","2","8"
+"0x1010","      @P0   BRA 0x1030","0","4","-","0","0","0"
+"0x1020","      IADD3 R1, R1, 0x1, RZ","2","2","-","0","2","0"
+"0x1030","      EXIT","4","4","-","4","0","4"
 """
 
 
