@@ -939,7 +939,7 @@ template <bool kLocalX>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt, unsigned long long call) {
   constexpr bool kBlocks = block_scaled_hidden(kLocalX);
-  const int lane = threadIdx.x & 31, I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
+  const int lane = threadIdx.x & 31;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
   static_assert(!kBlocks || kLocalXMaxTokens == 1, "tagged blocks are one token's: one pass, lane k = column k");
@@ -953,6 +953,7 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
     store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
                         situ(gate, up, p.beta, p.linear_beta), p.hidden_floor, call);
   } else {
+    const int I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
     for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
       const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
       const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
