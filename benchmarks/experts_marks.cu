@@ -219,10 +219,10 @@ int main(int argc, char **argv) {
   printf("%s B=%d, %s inputs: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch,
          hot_inputs ? "hot" : near_inputs ? "near" : "cold", us, layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
-  const char *names[] = {"entry (< 0)",   "router tables",  "router synced", "weights enter", "weights looked",
+  const char *names[] = {"entry (< 0)",   "prologue (< 0)", "router tables",  "router synced", "weights enter", "weights looked",
                          "first copy",    "routed",         "nan rows done", "fc1 planned",   "first full",
                          "fc1 done",      "fc2 planned",    "first fc2 copy", "fc2 act stage", "fc2 act done", "exit"};
-  const int slots[] = {kMarkEntry,      kMarkRouterTables, kMarkRouterSynced, kMarkWeightsEnter, kMarkWeightsLooked,
+  const int slots[] = {kMarkEntry,      kMarkPrologue,     kMarkRouterTables, kMarkRouterSynced, kMarkWeightsEnter, kMarkWeightsLooked,
                        kMarkFirstCopy,  kMarkRouted,       kMarkNanDone,      kMarkFc1Planned,   kMarkFirstFull,
                        kMarkFc1Done,    kMarkFc2Planned,   kMarkFirstFc2Copy, kMarkFc2ActStage,  kMarkFc2ActDone, kMarkExit};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
@@ -268,6 +268,27 @@ int main(int argc, char **argv) {
     }
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
+  }
+  /* the launch's end, CTA by CTA: which CTAs end it, how late they entered and waited, their chunks */
+  const auto chunks_of = [&](int c) {
+    int n = 0;
+    for (int index : tiles_of[c]) n += index < fc1_tiles || units == 0 ? fc1.chunks() : fc2.chunks();
+    return n;
+  };
+  int late_waits = 0, entered_after = 0;
+  for (int c = 0; c < grid; ++c) {
+    late_waits += ns(c, kMarkWaitedNs) - waited > 250;
+    entered_after += ns(c, kMarkEntryNs) > waited;
+  }
+  printf("CTAs past their wait > 0.25 us after the first: %d; entered after the first wait: %d\n", late_waits,
+         entered_after);
+  printf("the 24 CTAs that exit last (us after the first wait: entry, wait, exit; chunks%s):\n",
+         units ? "" : ", one-token launches only");
+  for (int i = 0; i < 24 && i < grid; ++i) {
+    const int c = order[i];
+    printf("  cta %3d: %6.2f %5.2f %6.2f  %2d%s", c, ((double)ns(c, kMarkEntryNs) - (double)waited) / 1000.0,
+           (ns(c, kMarkWaitedNs) - waited) / 1000.0, (ns(c, kMarkExitNs) - waited) / 1000.0, units ? chunks_of(c) : 0,
+           i % 4 == 3 ? "\n" : " |");
   }
   for (Dev *d : packed) delete d;
   return 0;

@@ -1238,6 +1238,7 @@ template <bool kLocalX>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   KX_MARK(kMarkEntry);
+  KX_MARK_NS(kMarkEntryNs);
   const SmemLayout &L = p.smem;
   const Routing r{reinterpret_cast<int16_t *>(smem + L.pair_expert), reinterpret_cast<uint32_t *>(smem + L.expert_slot),
                   reinterpret_cast<unsigned long long *>(smem + L.token_mask),
@@ -1267,6 +1268,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   const auto clear_and_wait = [&] {
     if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
     else if (threadIdx.x < kMaxLaunchTokens) x_amax[threadIdx.x] = 0;
+    KX_MARK(kMarkPrologue);
     __syncthreads();
     /* the next launch's CTAs may take the SMs of ours that finish early and run their part 0
      * there; they wait for all of ours to finish before reading anything */

@@ -38,7 +38,9 @@ enum MarkSlot {
   kMarkRouterSynced, /* ... and passed the routing group's barrier */
   kMarkWeightsEnter, /* the weight warp entered its stream, before its first tile's lookups */
   kMarkWeightsLooked, /* ... and has its first tile's expert, before its first stage wait */
-  kMarkSlots = 19,
+  kMarkPrologue,    /* the MMA warps' part before the predecessor wait is done (warm pass, clear) */
+  kMarkEntryNs,     /* %globaltimer at kMarkEntry */
+  kMarkSlots = 21,
 };
 
 enum TileMark {
