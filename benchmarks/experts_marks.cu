@@ -243,7 +243,7 @@ int main(int argc, char **argv) {
          "  | per tile: index:[enter, start (looked up), first stage full, chunks' MMAs done, handed off (MMA warp 0)\n"
          "  |   | every MMA warp's sums parked, the epilogue's stores done (its epilogue warp)\n"
          "  |   | one-token FC1: its hidden words stored | FC2: its unit's last FC1 tile stored, each chunk's\n"
-         "  |     hidden words seen (these three in us after the first CTA's wait, globaltimer)]\n"
+         "  |     polling begun - hidden words seen / polls (these in us after the first CTA's wait, globaltimer)]\n"
          "  | fc1 done, fc2 planned, first fc2 copy, its activations' stage, their copy, exit (kcycles after the CTA's "
          "wait)\n",
          last);
@@ -263,12 +263,41 @@ int main(int argc, char **argv) {
       if (units > 0 && index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
         printf(" | unit's last stored %.2f", last_stored[(index - fc1_tiles) / fc2.tiles]);
       for (int k = 0; k < kMarkSeenChunks && tile_ns(index, kMarkTileSeen + k) >= 0; ++k)
-        printf("%s%.2f", k ? " " : ", seen ", tile_ns(index, kMarkTileSeen + k));
+        printf("%s%.2f-%.2f/%llu", k ? " " : ", polled-seen/polls ", tile_ns(index, kMarkTilePolled + k),
+               tile_ns(index, kMarkTileSeen + k), tm[(size_t)index * kMarksPerTile + kMarkTilePolls + k]);
       printf("]");
     }
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
   }
+  /* one-token hand-offs: for each FC2 chunk whose activation warp polled before its words were all
+   * stored, from the last store to the poll that saw it; and the time a poll takes when it repeats */
+  if (units > 0) {
+    std::vector<double> handoff, per_poll;
+    for (int index = fc1_tiles; index < fc1_tiles + units * fc2.tiles && index < kMarkMaxTiles; ++index) {
+      const int unit = (index - fc1_tiles) / fc2.tiles;
+      for (int c = 0; c < kMarkSeenChunks && c < fc2.chunks(); ++c) {
+        const double polled = tile_ns(index, kMarkTilePolled + c), seen = tile_ns(index, kMarkTileSeen + c);
+        const unsigned long long polls = tm[(size_t)index * kMarksPerTile + kMarkTilePolls + c];
+        if (polled < 0 || seen < 0) continue;
+        double stored = -1.0; /* FC1 tile f is FC2's k-block f */
+        for (int f = c * fc2.chunk_kb; f < (c + 1) * fc2.chunk_kb && f < fc1.tiles; ++f)
+          stored = std::max(stored, tile_ns(unit * fc1.tiles + f, kMarkTileStored));
+        if (stored > polled) handoff.push_back(seen - stored);
+        if (polls > 1) per_poll.push_back((seen - polled) / (double)polls);
+      }
+    }
+    const auto quartiles = [](std::vector<double> v, const char *what) {
+      if (v.empty()) return;
+      std::sort(v.begin(), v.end());
+      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f us, max %.2f\n", what, v.size(), v[v.size() / 4], v[v.size() / 2],
+             v[3 * v.size() / 4], v.back());
+    };
+    printf("one-token hand-offs (FC2 chunks):\n");
+    quartiles(handoff, "polled before the words were stored; last store -> seen");
+    quartiles(per_poll, "polled more than once; time per poll");
+  }
+
   /* the launch's end, CTA by CTA: which CTAs end it, how late they entered and waited, their chunks */
   const auto chunks_of = [&](int c) {
     int n = 0;

@@ -508,8 +508,8 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
  * lays them out, each block's codes times 2^(its scale - ref), ref = the chunk's largest
  * scale - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
  * chunk_scale_offset. A NaN block's codes are NaN, so its sums stay NaN. */
-__device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
-                                                     unsigned long long call) {
+__device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
+                                                    unsigned long long call) {
   constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
   const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
   const unsigned long long *src =
@@ -517,7 +517,9 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
   const unsigned long long tag = call << kHandoffTagShift;
   unsigned long long w[kPerLane];
   bool mine;
+  int polls = 0; /* for the marks */
   do {
+    ++polls;
     mine = true;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -545,6 +547,7 @@ __device__ __forceinline__ void gather_hidden_blocks(const Params &p, const Stag
   if (lane == 0) *reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2)) = exp2_exact(ref - kE8m0Bias);
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
   if (lane == 0) mbar_arrive(full);
+  return polls;
 }
 
 /* Whether the units of this CTA's next 32 tiles have their hidden rows: one round trip
@@ -625,8 +628,10 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
                          rows, unit.count, nkb * kActBlockBytes);
       else if (block_scaled_hidden(kLocalX)) {
-        gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
+        KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolled + c);
+        const int polls = gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
+        KX_MARK_TILE_VALUE_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolls + c, polls);
       } else {
         copy_hidden_block(p, st, &full[s], unit, c);
       }

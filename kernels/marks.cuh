@@ -55,10 +55,12 @@ enum TileMark {
   /* these two on %globaltimer (ns), since they are compared across CTAs: */
   kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
   kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
+  kMarkTilePolled = kMarkTileSeen + 3, /* ... its activation warp began polling them (ns) */
+  kMarkTilePolls = kMarkTilePolled + 3, /* ... and how many polls it took (a count, not a clock) */
 };
 
-constexpr int kMarksPerTile = 12;
-constexpr int kMarkSeenChunks = kMarksPerTile - kMarkTileSeen;
+constexpr int kMarkSeenChunks = 3;
+constexpr int kMarksPerTile = kMarkTilePolls + kMarkSeenChunks;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
@@ -99,6 +101,9 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 /* clock64() stamped by the calling thread, if cond */
 #define KX_MARK_TILE_BY_IF(cond, index, k) \
   do { if (cond) ::kx::mark_tile_by_caller((index), (k), clock64()); } while (0)
+/* a value (not a clock) stored by the calling thread, if cond */
+#define KX_MARK_TILE_VALUE_BY_IF(cond, index, k, value) \
+  do { if (cond) ::kx::mark_tile_by_caller((index), (k), (value)); } while (0)
 #define KX_MARK_TILE_ENTER(index) \
   do {                                                                    \
     KX_MARK_TILE(index, ::kx::kMarkTileEnter);                            \
@@ -115,6 +120,7 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_TILE_ENTER(index) ((void)0)
 #define KX_MARK_TILE_NS_BY_IF(cond, index, k) ((void)0)
 #define KX_MARK_TILE_BY_IF(cond, index, k) ((void)0)
+#define KX_MARK_TILE_VALUE_BY_IF(cond, index, k, value) ((void)(value))
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
