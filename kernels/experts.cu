@@ -1267,10 +1267,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.freed) + e, 1);
     }
     fence_barrier_init();
+    KX_MARK(kMarkBarriersInit);
   }
   const int route_tid = threadIdx.x - kConsumerThreads;
   unsigned int *x_amax = reinterpret_cast<unsigned int *>(smem + L.x_amax);
   const auto clear_and_wait = [&] {
+    KX_MARK(kMarkWarmed);
     if (warp >= kConsumerWarps) routing_clear(r, p.shape.experts, route_tid);
     else if (threadIdx.x < kMaxLaunchTokens) x_amax[threadIdx.x] = 0;
     KX_MARK(kMarkPrologue);

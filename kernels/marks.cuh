@@ -40,7 +40,9 @@ enum MarkSlot {
   kMarkWeightsLooked, /* ... and has its first tile's expert, before its first stage wait */
   kMarkPrologue,    /* the MMA warps' part before the predecessor wait is done (warm pass, clear) */
   kMarkEntryNs,     /* %globaltimer at kMarkEntry */
-  kMarkSlots = 21,
+  kMarkBarriersInit, /* thread 0 initialized the CTA's mbarriers */
+  kMarkWarmed,      /* the MMA warps' warm pass is done (one-token launches), before the clear */
+  kMarkSlots = 23,
 };
 
 enum TileMark {
