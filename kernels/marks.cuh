@@ -54,7 +54,7 @@ enum TileMark {
   kMarkTileCta,   /* not a clock: the CTA that ran it, plus 1 */
   kMarkTileParked,   /* its epilogue warp found every MMA warp's sums parked */
   kMarkTileEpilogue, /* ... and had stored them (its rows, or h / the tagged hidden words) */
-  /* these two on %globaltimer (ns), since they are compared across CTAs: */
+  /* these on %globaltimer (ns), since they are compared across CTAs (kMarkTilePolls: a count): */
   kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
   kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
   kMarkTilePolled = kMarkTileSeen + 3, /* ... its activation warp began polling them (ns) */
