@@ -28,7 +28,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 #include <algorithm>
 #include <random>
 #include <vector>
