@@ -260,7 +260,10 @@ int main(int argc, char **argv) {
       const int index = tiles_of[c][n];
       printf(" %d:[%.2f %.2f %.2f %.2f %.2f", index, tile_at(c, n, kMarkTileEnter), tile_at(c, n, kMarkTileStart),
              tile_at(c, n, kMarkTileData), tile_at(c, n, kMarkTileSums), tile_at(c, n, kMarkTileDone));
-      if (tile_at(c, n, kMarkTileParked) >= 0)
+      if (tile_at(c, n, kMarkTileParked) >= 0 && tile_at(c, n, kMarkTileSummed) >= 0)
+        printf(" | parked %.2f summed %.2f activated %.2f stored %.2f", tile_at(c, n, kMarkTileParked),
+               tile_at(c, n, kMarkTileSummed), tile_at(c, n, kMarkTileActivated), tile_at(c, n, kMarkTileEpilogue));
+      else if (tile_at(c, n, kMarkTileParked) >= 0)
         printf(" | parked %.2f stored %.2f", tile_at(c, n, kMarkTileParked), tile_at(c, n, kMarkTileEpilogue));
       if (tile_ns(index, kMarkTileStored) >= 0) printf(" | stored %.2f", tile_ns(index, kMarkTileStored));
       if (units > 0 && index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)

@@ -954,9 +954,12 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
     const int row = lane % kStripRows, pair = lane / kStripRows;
     const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, 0, tt.mult);
     const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, 0, tt.mult);
+    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
+    const float h = situ(gate, up, p.beta, p.linear_beta);
+    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
     /* FC1 tile f's 32 hidden columns are FC2's k-block f */
-    store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
-                        situ(gate, up, p.beta, p.linear_beta), p.hidden_floor, call);
+    store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h,
+                        p.hidden_floor, call);
   } else {
     const int I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
     for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */

@@ -59,10 +59,13 @@ enum TileMark {
   kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
   kMarkTilePolled = kMarkTileSeen + 3, /* ... its activation warp began polling them (ns) */
   kMarkTilePolls = kMarkTilePolled + 3, /* ... and how many polls it took (a count, not a clock) */
+  /* one-token FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
+  kMarkTileSummed = kMarkTilePolls + 3, /* the partial sums loaded and added (gate and up) */
+  kMarkTileActivated,                   /* SiTU done */
 };
 
 constexpr int kMarkSeenChunks = 3;
-constexpr int kMarksPerTile = kMarkTilePolls + kMarkSeenChunks;
+constexpr int kMarksPerTile = kMarkTileActivated + 1;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
@@ -103,6 +106,16 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 /* clock64() stamped by the calling thread, if cond */
 #define KX_MARK_TILE_BY_IF(cond, index, k) \
   do { if (cond) ::kx::mark_tile_by_caller((index), (k), clock64()); } while (0)
+/* clock64() stamped by the calling thread once v (a float) is computed, if cond: a compare that
+ * never holds reads v first, so the stamp is not issued before v's loads and arithmetic */
+static __device__ unsigned int g_mark_sink;
+#define KX_MARK_TILE_AFTER_VALUE_BY_IF(cond, index, k, v)                                  \
+  do {                                                                                    \
+    if (cond) {                                                                           \
+      if (__float_as_uint(v) == 0xFFFFFFFFu) ::kx::g_mark_sink = 1;                      \
+      ::kx::mark_tile_by_caller((index), (k), clock64());                                 \
+    }                                                                                     \
+  } while (0)
 /* a value (not a clock) stored by the calling thread, if cond */
 #define KX_MARK_TILE_VALUE_BY_IF(cond, index, k, value) \
   do { if (cond) ::kx::mark_tile_by_caller((index), (k), (value)); } while (0)
@@ -123,6 +136,7 @@ __device__ __forceinline__ void mark_tile(int index, int k, unsigned long long v
 #define KX_MARK_TILE_NS_BY_IF(cond, index, k) ((void)0)
 #define KX_MARK_TILE_BY_IF(cond, index, k) ((void)0)
 #define KX_MARK_TILE_VALUE_BY_IF(cond, index, k, value) ((void)(value))
+#define KX_MARK_TILE_AFTER_VALUE_BY_IF(cond, index, k, v) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
 #endif
 
