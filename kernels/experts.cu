@@ -507,7 +507,8 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
  * every word carries this call's tag, then widened to f16 in the stage as quantize_store
  * lays them out, each block's codes times 2^(its scale - ref), ref = the chunk's largest
  * scale - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
- * chunk_scale_offset. A NaN block's codes are NaN, so its sums stay NaN. */
+ * chunk_scale_offset. A NaN block's codes are NaN, so its sums stay NaN. Returns how many polls
+ * it took (the marks count them). */
 __device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
                                                     unsigned long long call) {
   constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;

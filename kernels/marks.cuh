@@ -45,6 +45,8 @@ enum MarkSlot {
   kMarkSlots = 23,
 };
 
+constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */
+
 enum TileMark {
   kMarkTileEnter, /* the loop's top, before the tile's lookups */
   kMarkTileStart, /* before its first chunk's stage wait */
@@ -57,14 +59,13 @@ enum TileMark {
   /* these on %globaltimer (ns), since they are compared across CTAs (kMarkTilePolls: a count): */
   kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
   kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
-  kMarkTilePolled = kMarkTileSeen + 3, /* ... its activation warp began polling them (ns) */
-  kMarkTilePolls = kMarkTilePolled + 3, /* ... and how many polls it took (a count, not a clock) */
+  kMarkTilePolled = kMarkTileSeen + kMarkSeenChunks,   /* ... its activation warp began polling them (ns) */
+  kMarkTilePolls = kMarkTilePolled + kMarkSeenChunks,  /* ... and how many polls it took (a count, not a clock) */
   /* one-token FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
-  kMarkTileSummed = kMarkTilePolls + 3, /* the partial sums loaded and added (gate and up) */
+  kMarkTileSummed = kMarkTilePolls + kMarkSeenChunks, /* the partial sums loaded and added (gate and up) */
   kMarkTileActivated,                   /* SiTU done */
 };
 
-constexpr int kMarkSeenChunks = 3;
 constexpr int kMarksPerTile = kMarkTileActivated + 1;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
