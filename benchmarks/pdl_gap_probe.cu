@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "harness.cuh"
+#include "pipeline.cuh"
 
 namespace {
 
@@ -41,12 +42,6 @@ struct Stamps {
   long long load_cycles[2]; /* the first two global loads after the wait (lines the predecessor wrote) */
 };
 
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 /* clock64 with a memory clobber: not moved across the loads and stores around it */
 __device__ __forceinline__ long long clock_now() {
   long long t;
@@ -57,10 +52,10 @@ __device__ __forceinline__ long long clock_now() {
 __global__ void __launch_bounds__(kThreads, 1)
     chained(Stamps *stamps, uint4 *sink, unsigned *lines, long long spin_ns, long long extra_ns, int heavy,
             int stores) {
-  const unsigned long long entry = globaltimer();
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const unsigned long long waited = globaltimer();
+  const unsigned long long entry = kx::global_ns();
+  kx::allow_dependents();
+  kx::wait_for_predecessor();
+  const unsigned long long waited = kx::global_ns();
   __shared__ unsigned seen[2];
   const long long t0 = clock_now();
   const unsigned line = __ldcg(&lines[blockIdx.x * 32]); /* its predecessor CTA's */
@@ -70,13 +65,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   ((volatile unsigned *)seen)[1] = next;
   const long long load_cycles[2] = {t1 - t0, clock_now() - t1};
   const long long spin = spin_ns + ((int)blockIdx.x < heavy ? extra_ns : 0);
-  while ((long long)(globaltimer() - waited) < spin) {
+  while ((long long)(kx::global_ns() - waited) < spin) {
   }
   uint4 *mine = sink + ((size_t)blockIdx.x * stores) * kThreads + threadIdx.x;
   for (int i = 0; i < stores; ++i) mine[i * kThreads] = make_uint4(i, blockIdx.x, threadIdx.x, 0);
   if (threadIdx.x == 0) lines[blockIdx.x * 32] = *(volatile unsigned *)seen + 1;
   __syncthreads();
-  if (threadIdx.x == 0) stamps[blockIdx.x] = Stamps{entry, waited, globaltimer(), {load_cycles[0], load_cycles[1]}};
+  if (threadIdx.x == 0) stamps[blockIdx.x] = Stamps{entry, waited, kx::global_ns(), {load_cycles[0], load_cycles[1]}};
 }
 
 struct Case {
