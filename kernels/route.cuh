@@ -150,13 +150,19 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
                                int experts, int lane, ReportBad report_bad) {
   const int pairs = tokens * top_k;
   const bool live = lane < pairs;
-  const int t = live ? lane / top_k : 0, id = live ? ids[t * ids_ld + lane - t * top_k] : -1;
+  int t = 0; /* the lane's token, lane / top_k, by compares (tokens <= kGroupTokens): no division before the load */
+  for (int u = 1; u < tokens; ++u) t += lane >= u * top_k;
+  const int id = live ? ids[t * ids_ld + lane - t * top_k] : -1;
   const bool valid = live && id >= 0 && id < experts;
   const uint32_t slot_bits = top_k == 32 ? 0xFFFFFFFFu : (1u << top_k) - 1;
   const auto lanes_of = [&](int u) { return slot_bits << u * top_k; }; /* token u's pairs */
   const uint32_t below = (1u << lane) - 1;
-  /* the lanes that hold the same expert; every other lane is a group of its own */
-  const uint32_t same = __match_any_sync(0xFFFFFFFFu, valid ? id : -1 - lane);
+  /* the lanes that hold the same expert; every other lane is a group of its own. Each lane's
+   * key from a shuffle: __match_any_sync took ~0.5 kcycles here (32 distinct keys; session 34) */
+  const int key = valid ? id : -1 - lane;
+  uint32_t same = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) same |= (uint32_t)(__shfl_sync(0xFFFFFFFFu, key, j) == key) << j;
   const bool first = valid && !(same & below); /* first appearance: the compact order */
   const uint32_t firsts = __ballot_sync(0xFFFFFFFFu, first);
   const uint32_t token_firsts = __ballot_sync(0xFFFFFFFFu, valid && !(same & below & lanes_of(t)));
@@ -169,12 +175,13 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
   for (int u = 0; u < tokens; ++u)
     if (same & lanes_of(u)) mask |= 1ull << u;
   const int rows = first ? __popcll(mask) : 0;
-  int rows_through = rows; /* hidden rows of the experts up to this lane's */
+  /* hidden rows of the experts up to this lane's: rows <= kGroupTokens, a ballot per bit
+   * instead of a chain of shuffles */
+  static_assert(kGroupTokens < 16, "rows fit 4 bits");
+  const uint32_t through = below | (1u << lane);
+  int rows_through = 0;
 #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int other = __shfl_up_sync(0xFFFFFFFFu, rows_through, d);
-    if (lane >= d) rows_through += other;
-  }
+  for (int b = 0; b < 4; ++b) rows_through += __popc(__ballot_sync(0xFFFFFFFFu, (rows >> b) & 1) & through) << b;
   if (first) {
     const int c = __popc(firsts & below);
     r.expert_slot[id] = (uint32_t)c;
