@@ -235,8 +235,7 @@ int main(int argc, char **argv) {
   for (int k = 0; k < n_fixed; ++k) {
     std::vector<double> v;
     for (int c = 0; c < grid; ++c) v.push_back(at(c, slots[k]));
-    std::sort(v.begin(), v.end());
-    printf("  %-14s %7.2f / %7.2f\n", names[k], v[v.size() / 2], v.back());
+    printf("  %-14s %7.2f / %7.2f\n", names[k], median(v), percentile(v, 1.0));
   }
 
   /* the CTAs that exit last (globaltimer) */
@@ -295,11 +294,10 @@ int main(int argc, char **argv) {
         if (polls > 1) per_poll.push_back((seen - polled) / (double)polls);
       }
     }
-    const auto quartiles = [](std::vector<double> v, const char *what) {
+    const auto quartiles = [](const std::vector<double> &v, const char *what) {
       if (v.empty()) return;
-      std::sort(v.begin(), v.end());
-      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f us, max %.2f\n", what, v.size(), v[v.size() / 4], v[v.size() / 2],
-             v[3 * v.size() / 4], v.back());
+      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f us, max %.2f\n", what, v.size(), percentile(v, 0.25), median(v),
+             percentile(v, 0.75), percentile(v, 1.0));
     };
     printf("one-token hand-offs (FC2 chunks):\n");
     quartiles(handoff, "polled before the words were stored; last store -> seen");

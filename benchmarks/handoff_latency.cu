@@ -140,11 +140,6 @@ __global__ void __launch_bounds__(kThreads, 1) handoff_kernel(Buffers b, int str
   }
 }
 
-float percentile(std::vector<float> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, (size_t)(q * v.size()))];
-}
-
 }  // namespace
 
 int main() {

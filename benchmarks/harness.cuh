@@ -30,9 +30,16 @@ struct Dev {
   template <class T> T *as() const { return (T *)p; }
 };
 
-static float median(std::vector<float> v) {
+/* v's q-quantile (q in [0, 1], 1 the largest) by sorting a copy: the element at q * size. */
+template <class T>
+static T percentile(std::vector<T> v, double q) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return v[std::min(v.size() - 1, (size_t)(q * v.size()))];
+}
+
+template <class T>
+static T median(const std::vector<T> &v) {
+  return percentile(v, 0.5);
 }
 
 /* `body` (which enqueues work on s) captured into an executable graph. */

@@ -71,8 +71,7 @@ void run_size(int sms, unsigned long long *d_cycles, uint32_t *d_sink, cudaStrea
     for (int pass = 0; pass < kPasses; ++pass) {
       std::vector<double> per;
       for (int s = 0; s < sms; ++s) per.push_back((double)host[launch][(size_t)s * kPasses + pass] / kInstr);
-      std::sort(per.begin(), per.end());
-      printf(" %6.2f", per[per.size() / 2]);
+      printf(" %6.2f", median(per));
     }
   }
   printf("\n");

@@ -121,23 +121,16 @@ void run_case(const Case &k, int sms, cudaStream_t stream) {
       ld.push_back(s.load_cycles[0] / 1000.0);
       ld2.push_back(s.load_cycles[1] / 1000.0);
     }
-    std::sort(ld.begin(), ld.end());
-    std::sort(ld2.begin(), ld2.end());
-    load.push_back(ld[ld.size() / 2]);
-    load2.push_back(ld2[ld2.size() / 2]);
-    std::sort(w.begin(), w.end());
-    first.push_back(w.front());
-    mid.push_back(w[w.size() / 2]);
-    last.push_back(w.back());
+    load.push_back(median(ld));
+    load2.push_back(median(ld2));
+    first.push_back(percentile(w, 0.0));
+    mid.push_back(median(w));
+    last.push_back(percentile(w, 1.0));
     late.push_back(entered_late);
   }
-  const auto med = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   printf("%-34s %7.2f us a launch | wait after the last exit: first %5.2f median %5.2f last %5.2f us | "
          "CTAs entered after it: %3.0f | loads after the wait %.2f, %.2f kcycles\n",
-         k.name, us, med(first), med(mid), med(last), med(late), med(load), med(load2));
+         k.name, us, median(first), median(mid), median(last), median(late), median(load), median(load2));
 }
 
 }  // namespace
