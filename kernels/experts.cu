@@ -318,28 +318,9 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16 *dst, const float (&v
   }
 }
 
-/* 32 consecutive bf16 -> fp32 (16-byte loads when aligned). */
-__device__ __forceinline__ void load_bf16x32(const __nv_bfloat16 *src, float (&v)[kMxBlock]) {
-  if (((uintptr_t)src & 15) == 0) {
-#pragma unroll
-    for (int i = 0; i < kMxBlock / 8; ++i) {
-      uint4 w = *reinterpret_cast<const uint4 *>(src + 8 * i);
-      const __nv_bfloat162 *p = reinterpret_cast<const __nv_bfloat162 *>(&w);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float2 f = __bfloat1622float2(p[k]);
-        v[8 * i + 2 * k] = f.x;
-        v[8 * i + 2 * k + 1] = f.y;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kMxBlock; ++i) v[i] = __bfloat162float(src[i]);
-  }
-}
-
 /* Two e4m3 codes times rel as an f16 pair, rounded once (exact inside the window of
- * act_reference_exponent). */
+ * act_reference_exponent): for a factor per pair, where folded_f16x2's two factors cost more
+ * (with them the one-token hand-off's widening made B = 1 +1.1 %, session 35). */
 __device__ __forceinline__ uint32_t scaled_f16x2(uint32_t two_codes, float rel) {
   const uint32_t codes = e4m3x2_to_f16x2(two_codes);
   const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&codes));
@@ -347,23 +328,70 @@ __device__ __forceinline__ uint32_t scaled_f16x2(uint32_t two_codes, float rel) 
   return *reinterpret_cast<const uint32_t *>(&out);
 }
 
+/* 16 f16x2 words, pair k holding elements 2k and 2k + 1 (folded_f16x2), stored in MMA fragment
+ * order (64 bytes, 16-byte aligned): lane t of a quad reads k = 2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17,
+ * 2t+24, 2t+25 (its B registers of both m16n8k16) as one 16-byte load from offset 16t. */
+__device__ __forceinline__ void store_fragment_block(const uint32_t (&pairs)[kMxBlock / 2], uint8_t *dst) {
+  uint4 *d = reinterpret_cast<uint4 *>(dst);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) d[t] = make_uint4(pairs[t], pairs[t + 4], pairs[t + 8], pairs[t + 12]);
+}
+
 /* Quantizes one block of 32 fp32 to MXFP8 and stores it for the MMAs: the 32 codes times
- * 2^(e - ref_exp) as f16 (64 bytes, 16-byte aligned) in MMA fragment order, lane t of a
- * quad reading k = 2t, 2t+1, 2t+8, 2t+9, 2t+16, 2t+17, 2t+24, 2t+25 (its B registers of
- * both m16n8k16) as one 16-byte load from offset 16t. A NaN block's codes are NaN. */
+ * 2^(e - ref_exp) as f16 (store_fragment_block). A NaN block's codes are NaN. */
 __device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, int ref_exp,
                                                uint8_t *dst) {
   uint32_t q[kMxBlock / 4];
-  const int e = (int)quantize_block32(v, floor_mode, q) - kE8m0Bias;
-  const float rel = fold_factor(e, ref_exp);
-  uint4 *d = reinterpret_cast<uint4 *>(dst);
+  const FoldF16 fold = fold_f16((int)quantize_block32(v, floor_mode, q) - kE8m0Bias, ref_exp);
+  uint32_t pairs[kMxBlock / 2];
 #pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    /* bytes 2t, 2t+1 live in word t/2 at byte offset 2(t%2); +8 is the next-but-one word */
-    const int shift = 16 * (t % 2);
-    d[t] = make_uint4(scaled_f16x2(q[t / 2] >> shift, rel), scaled_f16x2(q[t / 2 + 2] >> shift, rel),
-                      scaled_f16x2(q[t / 2 + 4] >> shift, rel), scaled_f16x2(q[t / 2 + 6] >> shift, rel));
+  for (int k = 0; k < kMxBlock / 2; ++k) pairs[k] = folded_f16x2(q[k / 2] >> 16 * (k % 2), fold);
+  store_fragment_block(pairs, dst);
+}
+
+/* A block of x: its 32 bf16 as 16 words (element 2k in word k's low half) and the largest of
+ * their |x| bits as fp32 bits (bf16 bits order like |x|, with Inf and then NaN above all). */
+struct XBlock {
+  uint32_t words[kMxBlock / 2];
+  uint32_t amax_bits;
+};
+
+__device__ __forceinline__ XBlock load_x_block(const __nv_bfloat16 *src) {
+  XBlock b;
+  if (((uintptr_t)src & 15) == 0) {
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 8; ++i) {
+      const uint4 w = *reinterpret_cast<const uint4 *>(src + 8 * i);
+      b.words[4 * i] = w.x; b.words[4 * i + 1] = w.y; b.words[4 * i + 2] = w.z; b.words[4 * i + 3] = w.w;
+    }
+  } else {
+    const uint16_t *h = reinterpret_cast<const uint16_t *>(src);
+#pragma unroll
+    for (int k = 0; k < kMxBlock / 2; ++k) b.words[k] = h[2 * k] | (uint32_t)h[2 * k + 1] << 16;
   }
+  uint32_t m = 0; /* both halves' max at once, on the bits without their signs */
+#pragma unroll
+  for (int k = 0; k < kMxBlock / 2; ++k) m = __vmaxu2(m, b.words[k] & 0x7FFF7FFFu);
+  b.amax_bits = max(m & 0xFFFFu, m >> 16) << 16;
+  return b;
+}
+
+/* quantize_store of an x block (rceil), bit for bit, on its bf16 pairs: no 32 floats, no
+ * second max and one f16 product per pair instead of two conversions and two fp32 products
+ * (B = 1's MMA warps had x ~0.85 kcycle sooner, session 35). */
+__device__ __forceinline__ void quantize_store_x(const XBlock &b, int ref_exp, uint8_t *dst) {
+  const bool finite = b.amax_bits < 0x7F800000u;
+  const int e = finite ? mxfp8_exponent(__uint_as_float(b.amax_bits), false) : kE8m0Nan - kE8m0Bias;
+  const float mul = finite ? exp2_exact(-e) : __uint_as_float(0x7FFFFFFFu); /* NaN: every code NaN */
+  const FoldF16 fold = fold_f16(e, ref_exp);
+  uint32_t pairs[kMxBlock / 2];
+#pragma unroll
+  for (int k = 0; k < kMxBlock / 2; ++k) {
+    const uint32_t w = b.words[k];
+    const float lo = __uint_as_float(w << 16) * mul, hi = __uint_as_float(w & 0xFFFF0000u) * mul;
+    pairs[k] = folded_f16x2(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3), fold);
+  }
+  store_fragment_block(pairs, dst);
 }
 
 /* The same block spread over a warp, lane k holding element k: returns its e4m3 code and
@@ -616,6 +644,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
       mbar_wait(&empty[s], pos.parity ^ 1);
+      KX_MARK_BY_IF(lane == 0 && n == 0, kMarkActStage + which);
       if (by_chunk ? n % kActivationWarps != which : !mine) {
         if (lane == 0) mbar_arrive(&full[s]);
         continue;
@@ -1151,7 +1180,8 @@ __device__ void write_nan_rows(const Params &p, const Routing &r, int tid) {
 /* The MMA threads of a CTA share a row: each loads its blocks and keeps their max |x|,
  * the row's max meets in shared memory (row_amax[i] for the CTA's i-th row, zeroed at
  * the kernel's start), then each quantizes its blocks against the row's reference
- * exponent (mx.cuh), reloading them from L1. One L2 round trip per row, as with a block
+ * exponent (mx.cuh), the first held in registers (reloaded from L1 it took ~0.5 kcycle of
+ * B = 1's start, session 35), any others reloaded. One L2 round trip per row, as with a block
  * per thread over the grid (v22b); a warp per 32 blocks that read its whole row for the
  * reference (v23) took four. x: the launch's rows (or, warming the code, any readable
  * bytes); count: whether this CTA counts in xq_ready (not when warming). */
@@ -1164,22 +1194,20 @@ __device__ void quantize_x(const Params &p, uint8_t *smem, unsigned int *row_ama
   for (int t = kLocalX ? 0 : blockIdx.x, i = 0; t < p.tokens; t += kLocalX ? 1 : gridDim.x, ++i) {
     const __nv_bfloat16 *row = x + t * p.x_ld;
     uint32_t m = 0; /* |x| bits order like |x|; NaN above all */
+    XBlock held;    /* the thread's first block, held across the barrier: its only one up to H = 16384 */
     for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
-      float v[kMxBlock];
-      load_bf16x32(row + kb * kMxBlock, v);
-#pragma unroll
-      for (int k = 0; k < kMxBlock; ++k) m = max(m, __float_as_uint(v[k]) & 0x7FFFFFFFu);
+      const XBlock b = load_x_block(row + kb * kMxBlock);
+      if (kb == threadIdx.x) held = b;
+      m = max(m, b.amax_bits);
     }
     if (m != 0) atomicMax(&row_amax[i], m);
     named_barrier(kConsumerBarrier, kConsumerThreads);
     const int ref_exp = act_reference_exponent(__uint_as_float(row_amax[i]), false);
     if (threadIdx.x == 0) mult[t] = row_multiplier(ref_exp);
     uint8_t *dst = kLocalX ? smem + p.smem.x_local + t * local_x_pitch(H) : p.xq + (int64_t)t * H * 2;
-    for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads) {
-      float v[kMxBlock];
-      load_bf16x32(row + kb * kMxBlock, v);
-      quantize_store(v, false, ref_exp, dst + kb * kActBlockBytes);
-    }
+    for (int kb = threadIdx.x; kb < kb_per_row; kb += kConsumerThreads)
+      quantize_store_x(kb == threadIdx.x ? held : load_x_block(row + kb * kMxBlock), ref_exp,
+                       dst + kb * kActBlockBytes);
   }
   named_barrier(kConsumerBarrier, kConsumerThreads);
   if (threadIdx.x == 0 && count) {

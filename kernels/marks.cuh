@@ -42,7 +42,9 @@ enum MarkSlot {
   kMarkEntryNs,     /* %globaltimer at kMarkEntry */
   kMarkBarriersInit, /* thread 0 initialized the CTA's mbarriers */
   kMarkWarmed,      /* the MMA warps' warm pass is done (one-token launches), before the clear */
-  kMarkSlots = 23,
+  kMarkActStage,    /* activation warps 0 and 1 have the ring's first stage (each arrives on it next) */
+  kMarkActStage1,
+  kMarkSlots = 25,
 };
 
 constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */

@@ -100,6 +100,28 @@ __device__ __forceinline__ float fold_factor(int block_exp, int ref_exp) {
   return exp2_exact(clamp_e8m0_exponent(block_exp - ref_exp));
 }
 
+/* The same factor for a whole block, 2^d for d = e - R, as two f16x2 factors: f16 products
+ * give q * 2^d rounded once, the bits of q * fold_factor in fp32 rounded to f16 (checked for
+ * every e4m3 q and d in [-140, 40), session 35). q * first is exact (q's last bit >= 2^-9 *
+ * 2^-14, f16's smallest step 2^-24); second, used only when d < -14, rounds it once (0 below
+ * 2^-24: q * 2^d < 2^-30 rounds to 0 anyway). Past 2^15 (only a NaN row's finite blocks,
+ * whose sums are NaN anyway) the product overflows as in fp32. */
+struct FoldF16 {
+  uint32_t first, second; /* f16x2 bit patterns */
+  bool twice;             /* second is not 1 */
+};
+
+/* f16 bits of 2^k for k in [-24, 15]; 0 below. */
+__device__ __forceinline__ uint32_t f16_pow2_bits(int k) {
+  return k >= -14 ? (uint32_t)(k + 15) << 10 : (k >= -24 ? 1u << (k + 24) : 0u);
+}
+
+__device__ __forceinline__ FoldF16 fold_f16(int block_exp, int ref_exp) {
+  const int d = block_exp - ref_exp, d1 = min(max(d, -14), 15), d2 = min(d - d1, 15);
+  const uint32_t a = f16_pow2_bits(d1), b = f16_pow2_bits(d2);
+  return FoldF16{a * 0x10001u, b * 0x10001u, d2 != 0};
+}
+
 /* A row's multiplier for its sums, 2^(R + 14) (above and decode_fp4x8). */
 __device__ __forceinline__ float row_multiplier(int ref_exp) { return exp2_exact(ref_exp + kFp4AsF16GainLog2); }
 
@@ -149,6 +171,14 @@ __device__ __forceinline__ void decode_fp4x8(uint32_t w, uint32_t (&reg)[4]) {
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two_bytes, __NV_E4M3);
   return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+
+/* Two e4m3 codes (low byte first) as the f16 pair of their values folded by f. */
+__device__ __forceinline__ uint32_t folded_f16x2(uint32_t two_codes, const FoldF16 &f) {
+  const uint32_t codes = e4m3x2_to_f16x2(two_codes);
+  __half2 h = __hmul2(*reinterpret_cast<const __half2 *>(&codes), *reinterpret_cast<const __half2 *>(&f.first));
+  if (f.twice) h = __hmul2(h, *reinterpret_cast<const __half2 *>(&f.second));
+  return *reinterpret_cast<const uint32_t *>(&h);
 }
 
 /* SiTU (SPEC 3): silu(cap(gate, beta)) * cap(up, linear_beta), cap(v, c) = c tanh(v / c). */
