@@ -112,27 +112,15 @@ __device__ __forceinline__ void spin(int cycles) {
   }
 }
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
 __device__ __forceinline__ uint32_t cluster_index() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
   return r;
 }
 
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-/* this CTA's shared address `local` in CTA `rank` of the cluster */
+/* this CTA's shared variable `local` in CTA `rank` of the cluster */
 __device__ __forceinline__ uint32_t remote(const void *local, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(kx::smem_addr(local)), "r"(rank));
-  return r;
+  return kx::cluster_addr(kx::smem_addr(local), rank);
 }
 
 __device__ __forceinline__ void swap_wait(uint64_t *bar, uint32_t parity) {
@@ -149,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Shared &sh = *reinterpret_cast<Shared *>(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t rank = cluster_rank();
+  const uint32_t rank = kx::cluster_rank();
   const int clusters = gridDim.x / p.ways, items = p.units * p.slices;
   const int part_rows = p.H / p.ways;                 /* FC2 rows of one CTA's share */
   const int fc2_chunks = part_rows / 896, fc1_chunks = 2 * fc2_chunks;
@@ -164,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
     for (int b = 0; b < 2; ++b) kx::mbar_init(&sh.swapped[b], kSumRows * (p.ways - 1));
     kx::fence_barrier_init();
   }
-  cluster_sync(); /* the partners' swap barriers exist before anyone arrives on them */
+  kx::cluster_sync(); /* the partners' swap barriers exist before anyone arrives on them */
   kx::wait_for_predecessor();
   unsigned long long *stamp = p.stamps + (size_t)blockIdx.x * 4;
   if (threadIdx.x == 0) stamp[0] = kx::global_ns();
@@ -317,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
     kx::named_barrier_arrive(kBarEnd, kConsumers + 32);
   }
   __syncthreads();
-  cluster_sync(); /* no CTA leaves while a partner may still write its swap buffer */
+  kx::cluster_sync(); /* no CTA leaves while a partner may still write its swap buffer */
   if (threadIdx.x == 0) stamp[3] = kx::global_ns();
 }
 

@@ -5,6 +5,7 @@
  *   consumer warps arrive on the stage's "empty" barrier when done with it.
  * - cross-CTA hand-off through global counters with release/acquire at GPU scope.
  * - programmatic dependent launch (griddepcontrol).
+ * - thread-block clusters: rank, barrier, another CTA's shared memory.
  */
 #pragma once
 
@@ -154,6 +155,35 @@ __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
  * once all have arrived, and see what the arriving threads wrote before. */
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+/* ---- thread-block clusters ---- */
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+/* The cluster barrier, split: every thread of every CTA of the cluster arrives once, then
+ * waits once (before it writes to another CTA's shared memory, or leaves). */
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+/* All threads of all CTAs of the cluster; release/acquire orders their shared-memory writes. */
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+/* The address `addr` of this CTA's shared memory has in CTA `rank` of the cluster. */
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
 }
 
 /* ---- programmatic dependent launch ---- */

@@ -71,11 +71,16 @@
 #include <string.h>
 
 #include "kimi_kernels.h"
-#include "pipeline.cuh" /* mbarriers, L2 policy, PDL, named barriers: shared with experts.cu */
+#include "pipeline.cuh" /* mbarriers, L2 policy, PDL, named barriers, clusters: shared with experts.cu */
 
 namespace kx_gemm {
 
 using kx::allow_dependents;
+using kx::cluster_addr;
+using kx::cluster_arrive;
+using kx::cluster_rank;
+using kx::cluster_sync;
+using kx::cluster_wait;
 using kx::fence_barrier_init;
 using kx::l2_evict_first_policy;
 using kx::mbar_arrive;
@@ -220,34 +225,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c_inner), "r"(c_outer), "r"(bar)
       : "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-/* The cluster barrier, split (pushed reduction): every thread arrives once after the barriers
- * are initialized and waits once before it writes to another CTA's shared memory (or leaves). */
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-/* All threads of all CTAs of the cluster; release/acquire orders the shared-memory partials. */
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
-}
-
-/* The address `addr` of this CTA's shared memory has in CTA `rank` of the cluster. */
-__device__ __forceinline__ uint32_t cluster_addr(uint32_t addr, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  return remote;
 }
 
 /* 16 bytes of CTA `rank`'s shared memory at the address `addr` has in this CTA. */
