@@ -329,6 +329,12 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   const int slices = k.shape.I / 32, part_rows = k.shape.H / k.ways;
   const size_t item_bytes = (size_t)3 * (part_rows / 896) * kChunk;
   const size_t layer_bytes = (size_t)k.shape.E * slices * k.ways * item_bytes;
+  const int min_clusters = sms / k.ways / 2; /* fewer co-resident clusters would not be worth a row */
+  if (part_rows % 896 || part_rows > kMaxPartRows || slices > kMaxSlices || k.ways > kMaxWays || k.ways < 2 ||
+      k.stages > kMaxStages || k.units * slices > kMaxItems * min_clusters) {
+    fprintf(stderr, "%s: outside the probe's limits\n", k.name);
+    exit(2);
+  }
   cudaLaunchConfig_t probe_cfg = {};
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -345,6 +351,10 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   int clusters = 0;
   CHECK(cudaOccupancyMaxActiveClusters(&clusters, slice_fused, &probe_cfg));
   const int grid = std::min(sms / k.ways, clusters) * k.ways;
+  if (grid / k.ways < min_clusters) {
+    fprintf(stderr, "%s: only %d clusters of %d fit\n", k.name, clusters, k.ways);
+    exit(2);
+  }
   std::vector<Layer *> layers;
   std::mt19937 rng(1234);
   for (int l = 0; l < kLayers; ++l) {
