@@ -81,8 +81,9 @@ struct Params {
   bool swap, sums; /* the cluster's swap; the partial rows, their count and the sum over slices */
   int stages;      /* the ring's */
   bool release_first; /* consumers free a stage before their spin (as the MMA warps do after their shared loads) */
-  /* dynamic: each CTA claims half-items (one CTA's share of an item) from `claims` until none are
-   * left, a stream alone (no swap, no sums); the next layer zeroes the counter after its wait */
+  /* dynamic: each CTA claims half-items (one CTA's share of an item) from `claims`, one ahead,
+   * until none are left: a stream alone (no swap, no sums); the next layer zeroes the counter
+   * after its wait */
   bool dynamic;
   unsigned *claims, *claims_before;
   bool hint; /* the weights' copies ask L2 to evict them first (the experts kernel's do) */
@@ -190,9 +191,12 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
           stream(p.w + ((size_t)(p.ids[u] * p.slices + s) * p.ways + rank) * item_bytes);
         }
       } else {
-        for (int h; (h = (int)atomicAdd(p.claims, 1u)) < items * p.ways;) {
+        /* the next claim goes out before this half-item's copies: its round trip overlaps them */
+        for (int h = (int)atomicAdd(p.claims, 1u); h < items * p.ways;) {
+          const int next = (int)atomicAdd(p.claims, 1u);
           const int u = h % p.units, rest = h / p.units; /* rest: slice * ways + share */
           stream(p.w + ((size_t)p.ids[u] * p.slices * p.ways + rest) * item_bytes);
+          h = next;
         }
         kx::mbar_wait(&sh.empty[pos.stage], pos.parity ^ 1u);
         sh.last[pos.stage] = true;
@@ -331,7 +335,7 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   const size_t layer_bytes = (size_t)k.shape.E * slices * k.ways * item_bytes;
   const int min_clusters = sms / k.ways / 2; /* fewer co-resident clusters would not be worth a row */
   if (part_rows % 896 || part_rows > kMaxPartRows || slices > kMaxSlices || k.ways > kMaxWays || k.ways < 2 ||
-      k.stages > kMaxStages || k.units * slices > kMaxItems * min_clusters) {
+      k.stages > kMaxStages || (k.sums && k.units * slices > kMaxItems * min_clusters)) {
     fprintf(stderr, "%s: outside the probe's limits\n", k.name);
     exit(2);
   }
@@ -485,6 +489,14 @@ int main() {
       {"k3-tp8 B=2 stream, claimed", k3, 32, 2, 0, 0, 0, 0, false, false, true, 4, true},
       {"k3-tp8 B=2 all, 2000/720/720/600", k3, 32, 2, 2000, 720, 720, 600, true, true, true},
       {"tp16 B=1 all, 2000/720/720/600", tp16, 16, 2, 2000, 720, 720, 600, true, true, true},
+      /* B = 64's 352 experts (the same stream at 22x the bytes): what a per-chunk pace costs there */
+      {"k3-tp8 B=64's bytes, stream", k3, 352, 2, 0, 0, 0, 0, false, false, true},
+      {"k3-tp8 B=64's bytes, 360 a chunk", k3, 352, 2, 0, 360, 360, 0, false, false, true},
+      {"k3-tp8 B=64's bytes, 540 a chunk", k3, 352, 2, 0, 540, 540, 0, false, false, true},
+      {"k3-tp8 B=64's bytes, 720 a chunk", k3, 352, 2, 0, 720, 720, 0, false, false, true},
+      {"k3-tp8 B=64's bytes, 720 a chunk, 6 stages", k3, 352, 2, 0, 720, 720, 0, false, false, true, 6},
+      {"k3-tp8 B=64's bytes, claimed", k3, 352, 2, 0, 0, 0, 0, false, false, true, 4, true},
+      {"k3-tp8 B=64's bytes, 720 a chunk, claimed", k3, 352, 2, 0, 720, 720, 0, false, false, true, 4, true},
   };
   for (const Case &k : cases) run_case(k, sms, hbm, stream);
   return 0;
