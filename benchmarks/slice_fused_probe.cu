@@ -48,6 +48,11 @@ namespace {
 
 constexpr int kMaxStages = 8;
 constexpr int kChunk = 17 * 896;          /* bytes: 896 FC2 rows x 32 columns (FP4 + scales) */
+/* The experts kernel's k3-tp8 tiles (`tiles` below): an expert's 12 FC1 tiles (64 rows over H) of 7
+ * chunks, then its 14 FC2 tiles (256 rows over I) of 3, every chunk 17 KB. */
+constexpr int kTileChunk = 17408, kFc1Tiles = 12, kFc1TileChunks = 7, kFc2Tiles = 14, kFc2TileChunks = 3;
+constexpr size_t kExpertBytes = (size_t)kTileChunk * (kFc1Tiles * kFc1TileChunks + kFc2Tiles * kFc2TileChunks);
+constexpr int kMaxChunk = kTileChunk;
 constexpr int kConsumerWarps = 4;
 constexpr int kConsumers = 32 * kConsumerWarps;
 constexpr int kThreads = 32 * (1 + kConsumerWarps + 1); /* producer, consumers, epilogue */
@@ -88,6 +93,10 @@ struct Params {
   unsigned *claims, *claims_before;
   bool hint; /* the weights' copies ask L2 to evict them first (the experts kernel's do) */
   bool skip_first_waits; /* the first lap's copies go without the empty barrier's (trivial) wait */
+  /* tiles: the stream walks the experts kernel's tiles (k3-tp8) instead of items: FC1's of every
+   * unit, then FC2's, unit by unit, round-robin over the grid (its static deal), a stream alone */
+  bool tiles;
+  long long *clocks; /* CTA 0's clock64 cycles and globaltimer ns from its wait to its end: the SM clock */
 };
 
 struct Shared {
@@ -97,7 +106,7 @@ struct Shared {
   unsigned targets[kMaxItems];     /* each item's count once all its slices are in */
   bool last[kMaxStages];           /* dynamic: the stage holds no chunk, the stream has ended */
   int sink;                        /* a loaded value stored here has arrived */
-  alignas(128) uint8_t stage[kMaxStages][kChunk];
+  alignas(128) uint8_t stage[kMaxStages][kMaxChunk];
 };
 
 /* clock64, not moved across the loads and stores around it */
@@ -157,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
   kx::wait_for_predecessor();
   unsigned long long *stamp = p.stamps + (size_t)blockIdx.x * 4;
   if (threadIdx.x == 0) stamp[0] = kx::global_ns();
+  const long long clock_at_wait = clock_now();
   if (p.dynamic && blockIdx.x == 0 && threadIdx.x == 0) *p.claims_before = 0; /* that layer is done */
 
   if (warp == 0) {
@@ -170,34 +180,49 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
       const uint64_t policy = p.hint ? kx::l2_evict_first_policy() : 0;
       marks[1] = clock_now() - waited;
       kx::RingPos pos;
-      const auto stream = [&](const uint8_t *src) {
-        for (int c = 0; c < fc1_chunks + fc2_chunks; ++c, pos.advance(p.stages)) {
+      const auto stream = [&](const uint8_t *src, int chunks, int chunk) {
+        for (int c = 0; c < chunks; ++c, pos.advance(p.stages)) {
           if (!p.skip_first_waits || issued >= p.stages) kx::mbar_wait(&sh.empty[pos.stage], pos.parity ^ 1u);
           if (issued == 0) marks[2] = clock_now() - waited;
-          kx::mbar_arrive_expect_tx(&sh.full[pos.stage], kChunk);
+          kx::mbar_arrive_expect_tx(&sh.full[pos.stage], chunk);
           if (issued == 0) marks[3] = clock_now() - waited;
           uint8_t *dst = sh.stage[pos.stage];
           if (p.hint)
-            kx::bulk_copy_streaming(dst, src + (size_t)c * kChunk, kChunk, &sh.full[pos.stage], policy);
+            kx::bulk_copy_streaming(dst, src + (size_t)c * chunk, chunk, &sh.full[pos.stage], policy);
           else
-            kx::bulk_copy(dst, src + (size_t)c * kChunk, kChunk, &sh.full[pos.stage]);
+            kx::bulk_copy(dst, src + (size_t)c * chunk, chunk, &sh.full[pos.stage]);
           if (issued < kStartMarks - 4) marks[4 + issued] = clock_now() - waited;
           ++issued;
         }
       };
-      if (!p.dynamic) {
+      const int item_chunks = fc1_chunks + fc2_chunks;
+      if (p.tiles) {
+        const int fc1_tiles = p.units * kFc1Tiles, total = fc1_tiles + p.units * kFc2Tiles;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+          const bool fc1 = t < fc1_tiles;
+          const int i = fc1 ? t : t - fc1_tiles, per = fc1 ? kFc1Tiles : kFc2Tiles, u = i / per, k = i % per;
+          const uint8_t *expert = p.w + (size_t)p.ids[u] * kExpertBytes;
+          if (fc1)
+            stream(expert + (size_t)k * kFc1TileChunks * kTileChunk, kFc1TileChunks, kTileChunk);
+          else
+            stream(expert + (size_t)(kFc1Tiles * kFc1TileChunks + k * kFc2TileChunks) * kTileChunk, kFc2TileChunks,
+                   kTileChunk);
+        }
+      } else if (!p.dynamic) {
         for (int i = cluster_index(); i < items; i += clusters) {
           const int u = i % p.units, s = i / p.units;
-          stream(p.w + ((size_t)(p.ids[u] * p.slices + s) * p.ways + rank) * item_bytes);
+          stream(p.w + ((size_t)(p.ids[u] * p.slices + s) * p.ways + rank) * item_bytes, item_chunks, kChunk);
         }
       } else {
         /* the next claim goes out before this half-item's copies: its round trip overlaps them */
         for (int h = (int)atomicAdd(p.claims, 1u); h < items * p.ways;) {
           const int next = (int)atomicAdd(p.claims, 1u);
           const int u = h % p.units, rest = h / p.units; /* rest: slice * ways + share */
-          stream(p.w + ((size_t)p.ids[u] * p.slices * p.ways + rest) * item_bytes);
+          stream(p.w + ((size_t)p.ids[u] * p.slices * p.ways + rest) * item_bytes, item_chunks, kChunk);
           h = next;
         }
+      }
+      if (p.dynamic || p.tiles) { /* the consumers go on until this stage */
         kx::mbar_wait(&sh.empty[pos.stage], pos.parity ^ 1u);
         sh.last[pos.stage] = true;
         kx::mbar_arrive(&sh.full[pos.stage]);
@@ -212,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
     const auto consume = [&](int chunks, int cycles) {
       for (int c = 0; c < chunks; ++c, pos.advance(p.stages)) {
         kx::mbar_wait(&sh.full[pos.stage], pos.parity);
-        if (p.dynamic && sh.last[pos.stage]) break;
+        if ((p.dynamic || p.tiles) && sh.last[pos.stage]) break;
         if (first && t == 0) stamp[1] = kx::global_ns();
         first = false;
         if (!p.release_first) spin(cycles);
@@ -221,8 +246,9 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
         if (p.release_first) spin(cycles);
       }
     };
-    if (p.dynamic) consume(INT_MAX, p.fc1_spin); /* until the stage marked last */
-    for (int i = cluster_index(); i < items && !p.dynamic; i += clusters, ++mine) {
+    const bool open_ended = p.dynamic || p.tiles;
+    if (open_ended) consume(INT_MAX, p.fc1_spin); /* until the stage marked last */
+    for (int i = cluster_index(); i < items && !open_ended; i += clusters, ++mine) {
       const int s = i / p.units, buf = mine & 1;
       consume(fc1_chunks, p.fc1_spin);
       /* the swap: each CTA's 64 FC1 partial sums to every other CTA of the cluster, on the buffer
@@ -311,6 +337,10 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
   __syncthreads();
   kx::cluster_sync(); /* no CTA leaves while a partner may still write its swap buffer */
   if (threadIdx.x == 0) stamp[3] = kx::global_ns();
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    p.clocks[0] = clock_now() - clock_at_wait;
+    p.clocks[1] = (long long)(stamp[3] - stamp[0]);
+  }
 }
 
 struct Case {
@@ -320,7 +350,7 @@ struct Case {
   int start_spin, fc1_spin, fc2_spin, swap_spin;
   bool swap, sums, touch; /* touch: the weights written once before (pages touched) */
   int stages = 4;
-  bool dynamic = false, pdl = true, release_first = false, hint = true, skip_first_waits = false;
+  bool dynamic = false, pdl = true, release_first = false, hint = true, skip_first_waits = false, tiles = false;
 };
 
 /* One layer's buffers: its weights (every expert) and its ids. */
@@ -332,10 +362,11 @@ struct Layer {
 void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   const int slices = k.shape.I / 32, part_rows = k.shape.H / k.ways;
   const size_t item_bytes = (size_t)3 * (part_rows / 896) * kChunk;
-  const size_t layer_bytes = (size_t)k.shape.E * slices * k.ways * item_bytes;
+  const size_t layer_bytes = std::max((size_t)k.shape.E * slices * k.ways * item_bytes, k.shape.E * kExpertBytes);
   const int min_clusters = sms / k.ways / 2; /* fewer co-resident clusters would not be worth a row */
   if (part_rows % 896 || part_rows > kMaxPartRows || slices > kMaxSlices || k.ways > kMaxWays || k.ways < 2 ||
-      k.stages > kMaxStages || (k.sums && k.units * slices > kMaxItems * min_clusters)) {
+      k.stages > kMaxStages || (k.sums && k.units * slices > kMaxItems * min_clusters) ||
+      (k.tiles && (k.shape.H != 3584 || k.shape.I != 384 || k.swap || k.sums || k.dynamic))) {
     fprintf(stderr, "%s: outside the probe's limits\n", k.name);
     exit(2);
   }
@@ -373,7 +404,7 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   Dev partials(partial_floats * sizeof(float)), out((size_t)k.units * k.shape.H * 2),
       done((size_t)kLayers * k.units * k.ways * sizeof(unsigned)), claims(kLayers * sizeof(unsigned)),
       stamps((size_t)kLayers * grid * 4 * sizeof(unsigned long long)),
-      starts((size_t)kLayers * grid * kStartMarks * sizeof(long long));
+      starts((size_t)kLayers * grid * kStartMarks * sizeof(long long)), clocks(kLayers * 2 * sizeof(long long));
   CHECK(cudaMemset(done.p, 0, (size_t)kLayers * k.units * k.ways * sizeof(unsigned)));
   CHECK(cudaMemset(claims.p, 0, kLayers * sizeof(unsigned)));
   CHECK(cudaMemset(partials.p, 0xff, partial_floats * sizeof(float))); /* NaN: a sum read early shows */
@@ -386,7 +417,8 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
                   starts.as<long long>() + (size_t)l * grid * kStartMarks, k.units, slices, k.ways, k.shape.H,
                   k.start_spin, k.fc1_spin, k.fc2_spin, k.swap_spin, k.swap, k.sums,
                   k.stages, k.release_first, k.dynamic, claims.as<unsigned>() + l,
-                  claims.as<unsigned>() + (l + kLayers - 1) % kLayers, k.hint, k.skip_first_waits};
+                  claims.as<unsigned>() + (l + kLayers - 1) % kLayers, k.hint, k.skip_first_waits, k.tiles,
+                  clocks.as<long long>() + 2 * l};
       cudaLaunchConfig_t cfg = probe_cfg;
       cfg.gridDim = dim3(grid);
       cfg.numAttrs = k.pdl ? 2 : 1;
@@ -437,9 +469,13 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
     }
     mark[m] = median(per_layer);
   }
+  std::vector<long long> hc(kLayers * 2);
+  CHECK(cudaMemcpy(hc.data(), clocks.p, hc.size() * sizeof(hc[0]), cudaMemcpyDeviceToHost));
+  std::vector<double> ghz;
+  for (int l = 1; l < kLayers; ++l) ghz.push_back((double)hc[2 * l] / (double)hc[2 * l + 1]);
   printf("    the producer after its wait (kcycles, medians): an id loaded %.2f, policy %.2f, the first copy's empty "
-         "wait %.2f, expect_tx %.2f, copies issued %.2f %.2f %.2f %.2f\n",
-         mark[0], mark[1], mark[2], mark[3], mark[4], mark[5], mark[6], mark[7]);
+         "wait %.2f, expect_tx %.2f, copies issued %.2f %.2f %.2f %.2f; SM clock %.2f GHz\n",
+         mark[0], mark[1], mark[2], mark[3], mark[4], mark[5], mark[6], mark[7], median(ghz));
   for (Layer *l : layers) delete l;
 }
 
@@ -490,6 +526,8 @@ int main() {
       {"k3-tp8 B=2 all, 2000/720/720/600", k3, 32, 2, 2000, 720, 720, 600, true, true, true},
       {"tp16 B=1 all, 2000/720/720/600", tp16, 16, 2, 2000, 720, 720, 600, true, true, true},
       /* B = 64's 352 experts (the same stream at 22x the bytes): what a per-chunk pace costs there */
+      {"k3-tp8 B=8's bytes, stream", k3, 109, 2, 0, 0, 0, 0, false, false, true},
+      {"k3-tp8 B=8's bytes, 720 a chunk", k3, 109, 2, 0, 720, 720, 0, false, false, true},
       {"k3-tp8 B=64's bytes, stream", k3, 352, 2, 0, 0, 0, 0, false, false, true},
       {"k3-tp8 B=64's bytes, 360 a chunk", k3, 352, 2, 0, 360, 360, 0, false, false, true},
       {"k3-tp8 B=64's bytes, 540 a chunk", k3, 352, 2, 0, 540, 540, 0, false, false, true},
@@ -497,6 +535,15 @@ int main() {
       {"k3-tp8 B=64's bytes, 720 a chunk, 6 stages", k3, 352, 2, 0, 720, 720, 0, false, false, true, 6},
       {"k3-tp8 B=64's bytes, claimed", k3, 352, 2, 0, 0, 0, 0, false, false, true, 4, true},
       {"k3-tp8 B=64's bytes, 720 a chunk, claimed", k3, 352, 2, 0, 720, 720, 0, false, false, true, 4, true},
+      /* the experts kernel's tiles and deal (17 KB chunks: 612 / 816 cycles are 540 / 720 per 15 KB) */
+      {"kernel tiles, B=1's experts", k3, 16, 2, 0, 0, 0, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=1's, 2000 + 816", k3, 16, 2, 2000, 816, 816, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=8's experts", k3, 109, 2, 0, 0, 0, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=8's, 612 a chunk", k3, 109, 2, 0, 612, 612, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=8's, 816 a chunk", k3, 109, 2, 0, 816, 816, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=64's experts", k3, 352, 2, 0, 0, 0, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=64's, 612 a chunk", k3, 352, 2, 0, 612, 612, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=64's, 816 a chunk", k3, 352, 2, 0, 816, 816, 0, false, false, true, 4, false, true, false, true, false, true},
   };
   for (const Case &k : cases) run_case(k, sms, hbm, stream);
   return 0;
