@@ -97,6 +97,8 @@ struct Params {
    * unit, then FC2's, unit by unit, round-robin over the grid (its static deal), a stream alone */
   bool tiles;
   long long *clocks; /* CTA 0's clock64 cycles and globaltimer ns from its wait to its end: the SM clock */
+  long long *turns;  /* [grid][4] consumer warp 0's cycles summed over its chunks: in the full wait, in the spin,
+                      * in the syncwarp and arrive, and the chunk count */
 };
 
 struct Shared {
@@ -234,16 +236,25 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
     kx::RingPos pos;
     int mine = 0;
     bool first = true;
+    long long turn[4] = {};
     const auto consume = [&](int chunks, int cycles) {
       for (int c = 0; c < chunks; ++c, pos.advance(p.stages)) {
+        const long long t0 = clock_now();
         kx::mbar_wait(&sh.full[pos.stage], pos.parity);
         if ((p.dynamic || p.tiles) && sh.last[pos.stage]) break;
+        const long long t1 = clock_now();
         if (first && t == 0) stamp[1] = kx::global_ns();
         first = false;
         if (!p.release_first) spin(cycles);
+        const long long t2 = clock_now();
         __syncwarp();
         if (lane == 0) kx::mbar_arrive(&sh.empty[pos.stage]);
         if (p.release_first) spin(cycles);
+        const long long t3 = clock_now();
+        turn[0] += t1 - t0;
+        turn[1] += t2 - t1;
+        turn[2] += t3 - t2;
+        ++turn[3];
       }
     };
     const bool open_ended = p.dynamic || p.tiles;
@@ -274,6 +285,8 @@ __global__ void __launch_bounds__(kThreads, 1) slice_fused(Params p) {
       for (int r = t; r < part_rows; r += kConsumers) sh.parked[buf][r] = (float)(s + 1);
       kx::named_barrier_arrive(kBarParked + buf, kConsumers + 32);
     }
+    if (t == 0)
+      for (int k = 0; k < 4; ++k) p.turns[blockIdx.x * 4 + k] = turn[k];
     if (!p.sums) {
       kx::named_barrier(kBarConsumers, kConsumers);
       if (t == 0) stamp[2] = kx::global_ns();
@@ -404,7 +417,8 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   Dev partials(partial_floats * sizeof(float)), out((size_t)k.units * k.shape.H * 2),
       done((size_t)kLayers * k.units * k.ways * sizeof(unsigned)), claims(kLayers * sizeof(unsigned)),
       stamps((size_t)kLayers * grid * 4 * sizeof(unsigned long long)),
-      starts((size_t)kLayers * grid * kStartMarks * sizeof(long long)), clocks(kLayers * 2 * sizeof(long long));
+      starts((size_t)kLayers * grid * kStartMarks * sizeof(long long)), clocks(kLayers * 2 * sizeof(long long)),
+      turns((size_t)kLayers * grid * 4 * sizeof(long long));
   CHECK(cudaMemset(done.p, 0, (size_t)kLayers * k.units * k.ways * sizeof(unsigned)));
   CHECK(cudaMemset(claims.p, 0, kLayers * sizeof(unsigned)));
   CHECK(cudaMemset(partials.p, 0xff, partial_floats * sizeof(float))); /* NaN: a sum read early shows */
@@ -418,7 +432,7 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
                   k.start_spin, k.fc1_spin, k.fc2_spin, k.swap_spin, k.swap, k.sums,
                   k.stages, k.release_first, k.dynamic, claims.as<unsigned>() + l,
                   claims.as<unsigned>() + (l + kLayers - 1) % kLayers, k.hint, k.skip_first_waits, k.tiles,
-                  clocks.as<long long>() + 2 * l};
+                  clocks.as<long long>() + 2 * l, turns.as<long long>() + (size_t)l * grid * 4};
       cudaLaunchConfig_t cfg = probe_cfg;
       cfg.gridDim = dim3(grid);
       cfg.numAttrs = k.pdl ? 2 : 1;
@@ -473,9 +487,23 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
   CHECK(cudaMemcpy(hc.data(), clocks.p, hc.size() * sizeof(hc[0]), cudaMemcpyDeviceToHost));
   std::vector<double> ghz;
   for (int l = 1; l < kLayers; ++l) ghz.push_back((double)hc[2 * l] / (double)hc[2 * l + 1]);
+  std::vector<long long> ht((size_t)kLayers * grid * 4);
+  CHECK(cudaMemcpy(ht.data(), turns.p, ht.size() * sizeof(ht[0]), cudaMemcpyDeviceToHost));
+  double turn[3];
+  for (int m = 0; m < 3; ++m) {
+    std::vector<double> v;
+    for (int l = 1; l < kLayers; ++l)
+      for (int c = 0; c < grid; ++c) {
+        const long long *x = &ht[((size_t)l * grid + c) * 4];
+        if (x[3] > 0) v.push_back((double)x[m] / x[3]);
+      }
+    turn[m] = median(v);
+  }
   printf("    the producer after its wait (kcycles, medians): an id loaded %.2f, policy %.2f, the first copy's empty "
          "wait %.2f, expect_tx %.2f, copies issued %.2f %.2f %.2f %.2f; SM clock %.2f GHz\n",
          mark[0], mark[1], mark[2], mark[3], mark[4], mark[5], mark[6], mark[7], median(ghz));
+  printf("    consumer warp 0 per chunk (cycles, median CTA): full wait %.0f, spin %.0f, syncwarp + arrive %.0f\n", turn[0],
+         turn[1], turn[2]);
   for (Layer *l : layers) delete l;
 }
 
@@ -543,6 +571,7 @@ int main() {
       {"kernel tiles, B=8's, 816 a chunk", k3, 109, 2, 0, 816, 816, 0, false, false, true, 4, false, true, false, true, false, true},
       {"kernel tiles, B=64's experts", k3, 352, 2, 0, 0, 0, 0, false, false, true, 4, false, true, false, true, false, true},
       {"kernel tiles, B=64's, 612 a chunk", k3, 352, 2, 0, 612, 612, 0, false, false, true, 4, false, true, false, true, false, true},
+      {"kernel tiles, B=64's, 714 a chunk", k3, 352, 2, 0, 714, 714, 0, false, false, true, 4, false, true, false, true, false, true},
       {"kernel tiles, B=64's, 816 a chunk", k3, 352, 2, 0, 816, 816, 0, false, false, true, 4, false, true, false, true, false, true},
   };
   for (const Case &k : cases) run_case(k, sms, hbm, stream);
