@@ -240,6 +240,29 @@ int main(int argc, char **argv) {
     printf("  %-14s %7.2f / %7.2f\n", names[k], median(v), percentile(v, 1.0));
   }
 
+  /* MMA warp 0's pace: per tile, its chunks' time from before the first stage wait to the sums, and the part of it
+   * in full waits; by the tile's chunk count (k3-tp8: FC1 7, FC2 3), medians over the launch's tiles */
+  std::vector<int> chunk_counts;
+  for (int index = 0; index < kMarkMaxTiles; ++index) {
+    const unsigned long long n = tm[(size_t)index * kMarksPerTile + kMarkTileChunks];
+    if (n > 0 && std::find(chunk_counts.begin(), chunk_counts.end(), (int)n) == chunk_counts.end())
+      chunk_counts.push_back((int)n);
+  }
+  std::sort(chunk_counts.begin(), chunk_counts.end());
+  for (const int n : chunk_counts) {
+    std::vector<double> per_chunk, waits;
+    for (int index = 0; index < kMarkMaxTiles; ++index) {
+      const unsigned long long *t = &tm[(size_t)index * kMarksPerTile];
+      if ((int)t[kMarkTileChunks] != n || !t[kMarkTileStart] || !t[kMarkTileData] || !t[kMarkTileSums]) continue;
+      per_chunk.push_back((double)(long long)(t[kMarkTileSums] - t[kMarkTileStart]) / n);
+      /* the first chunk's wait is the one before kMarkTileData (its wait in the loop then returns at once) */
+      waits.push_back((double)(t[kMarkTileWaits] + (t[kMarkTileData] - t[kMarkTileStart])) / n);
+    }
+    printf("MMA warp 0, tiles of %d chunks (%zu): %.0f cycles a chunk from the tile's start to its sums, %.0f of them "
+           "in full waits (medians)\n",
+           n, per_chunk.size(), median(per_chunk), median(waits));
+  }
+
   /* the CTAs that exit last (globaltimer) */
   std::vector<int> order(grid);
   for (int c = 0; c < grid; ++c) order[c] = c;

@@ -846,6 +846,7 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
   const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
   for (; index < end; index += gridDim.x) {
     KX_MARK_TILE_ENTER(index);
+    KX_WAITS_DECLARE;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     /* the launch's one token's slots, before the chunks: off the tail. One token routes in one
      * warp, so unit u is compact expert u and its pairs are the token's slots (a scan of the K
@@ -858,19 +859,20 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
     for (int c = 0; c < cp.full_chunks; ++c, ring.pos.advance(kStages), x_chunk += cp.chunk_act_bytes) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
-      mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      KX_TIMED_WAIT(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity));
       consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
                                                            cp.chunk_scale, &ring.empty[ring.pos.stage], acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
-      mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity);
+      KX_TIMED_WAIT(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity));
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
                                                                  cp.chunk_scale, &ring.empty[ring.pos.stage], acc,
                                                                  cp.last_units);
       ring.pos.advance(kStages);
     }
     KX_MARK_TILE(index, kMarkTileSums);
+    KX_MARK_TILE_WAITS(index, cp.full_chunks + (cp.short_last ? 1 : 0));
     if (direct) store_token_rows(p, tile, slots, acc);
     else hand_off(p, smem, ring, acc);
     KX_MARK_TILE(index, kMarkTileDone);

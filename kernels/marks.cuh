@@ -7,7 +7,8 @@
  * launch-wide index (tile i is CTA i % grid's; tiles past kMarkMaxTiles are not kept), so a
  * stamp costs no division; lane 0 of the router / weight warp, of an activation warp and of an
  * epilogue warp stamp the routing's, the copies' and the epilogues' slots.
- * Nothing is stamped inside the chunk loops, whose schedule the stamps would change. Each
+ * Nothing is stamped inside the chunk loops, whose schedule the stamps would change, but for
+ * two clock reads around each full wait of the MMA warps (KX_TIMED_WAIT, summed per tile). Each
  * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
 #pragma once
@@ -66,9 +67,12 @@ enum TileMark {
   /* one-token FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
   kMarkTileSummed = kMarkTilePolls + kMarkSeenChunks, /* the partial sums loaded and added (gate and up) */
   kMarkTileActivated,                   /* SiTU done */
+  /* counts, not clocks (MMA warp 0, lane 0): */
+  kMarkTileWaits,  /* cycles in the full waits of the tile's chunks, summed */
+  kMarkTileChunks, /* the tile's chunks */
 };
 
-constexpr int kMarksPerTile = kMarkTileActivated + 1;
+constexpr int kMarksPerTile = kMarkTileChunks + 1;
 constexpr int kMarkMaxCtas = 1024, kMarkMaxTiles = 1 << 16;
 
 #ifdef KX_MARKS
@@ -129,6 +133,19 @@ static __device__ unsigned int g_mark_sink;
   } while (0)
 /* marks builds only: wait (a statement), then stamp */
 #define KX_MARK_TILE_AFTER(wait, index, k) do { wait; KX_MARK_TILE(index, k); } while (0)
+/* a tile's full waits timed and summed (the statement alone outside marks builds) */
+#define KX_WAITS_DECLARE unsigned long long kx_waits_ = 0
+#define KX_TIMED_WAIT(wait)                  \
+  do {                                       \
+    const long long kx_t0_ = clock64();      \
+    wait;                                    \
+    kx_waits_ += clock64() - kx_t0_;         \
+  } while (0)
+#define KX_MARK_TILE_WAITS(index, chunks)                                \
+  do {                                                                   \
+    ::kx::mark_tile((index), ::kx::kMarkTileWaits, kx_waits_);           \
+    ::kx::mark_tile((index), ::kx::kMarkTileChunks, (chunks));           \
+  } while (0)
 #else
 #define KX_MARK(slot) ((void)0)
 #define KX_MARK_NS(slot) ((void)0)
@@ -141,6 +158,9 @@ static __device__ unsigned int g_mark_sink;
 #define KX_MARK_TILE_VALUE_BY_IF(cond, index, k, value) ((void)(value))
 #define KX_MARK_TILE_AFTER_VALUE_BY_IF(cond, index, k, v) ((void)0)
 #define KX_MARK_TILE_AFTER(wait, index, k) ((void)0)
+#define KX_WAITS_DECLARE ((void)0)
+#define KX_TIMED_WAIT(wait) wait
+#define KX_MARK_TILE_WAITS(index, chunks) ((void)0)
 #endif
 
 }  // namespace kx
