@@ -14,7 +14,8 @@
  * every launch has the same deal. Prints the time per layer (median of 60 replays; the marks
  * cost a few instructions per chunk, so compare marks builds with marks builds), then the last
  * layer's marks of one more replay: kcycles after each CTA's predecessor wait, the median and
- * the largest over the grid, the tile timeline of the N CTAs that exit last, the one-token
+ * the largest over the grid, MMA warp 0's cycles a chunk and its full waits by tile size (the SM
+ * clock is the span's kcycles over its globaltimer us: it drops under this kernel), the tile timeline of the N CTAs that exit last, the one-token
  * hand-offs (last hidden word stored -> seen, the time one poll takes), and the 24 CTAs that end
  * the launch with their entry, wait and chunks (which CTAs wait late, and why). With
  * --inputs hot a small kernel rewrites x and the ids (the same values) before each layer, as the
