@@ -15,14 +15,15 @@
  * cost a few instructions per chunk, so compare marks builds with marks builds), then the last
  * layer's marks of one more replay: kcycles after each CTA's predecessor wait, the median and
  * the largest over the grid, MMA warp 0's cycles a chunk and its full waits by tile size (the SM
- * clock is the span's kcycles over its globaltimer us: it drops under this kernel), the tile timeline of the N CTAs that exit last, the one-token
- * hand-offs (last hidden word stored -> seen, the time one poll takes), and the 24 CTAs that end
- * the launch with their entry, wait and chunks (which CTAs wait late, and why). With
- * --inputs hot a small kernel rewrites x and the ids (the same values) before each layer, as the
- * router and the layer before would write them, so the layer finds them in L2 (the time per layer
- * then includes that launch); cold (the default, as bench_experts.py) leaves them where the
- * other layers' weights pushed them; near puts them right after the scratch, in pages every call
- * touches (is the start's first load slow for its address translation?).
+ * clock is the span's kcycles over its globaltimer us: it drops under this kernel), the tile
+ * timeline of the N CTAs that exit last, the one-token hand-offs (last hidden word stored ->
+ * seen, the time one poll takes), and the 24 CTAs that end the launch with their entry, wait and
+ * chunks (which CTAs wait late, and why). With --inputs hot a small kernel rewrites x and the
+ * ids (the same values) before each layer, as the router and the layer before would write them,
+ * so the layer finds them in L2 (the time per layer then includes that launch); cold (the
+ * default, as bench_experts.py) leaves them where the other layers' weights pushed them; near
+ * puts them right after the scratch, in pages every call touches (is the start's first load
+ * slow for its address translation?).
  */
 #include <stdint.h>
 #include <stdio.h>
