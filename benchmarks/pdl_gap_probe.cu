@@ -42,12 +42,7 @@ struct Stamps {
   long long load_cycles[2]; /* the first two global loads after the wait (lines the predecessor wrote) */
 };
 
-/* clock64 with a memory clobber: not moved across the loads and stores around it */
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-  return t;
-}
+using kx::clock_now;
 
 __global__ void __launch_bounds__(kThreads, 1)
     chained(Stamps *stamps, uint4 *sink, unsigned *lines, long long spin_ns, long long extra_ns, int heavy,

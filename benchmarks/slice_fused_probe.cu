@@ -111,12 +111,7 @@ struct Shared {
   alignas(128) uint8_t stage[kMaxStages][kMaxChunk];
 };
 
-/* clock64, not moved across the loads and stores around it */
-__device__ __forceinline__ long long clock_now() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-  return t;
-}
+using kx::clock_now;
 
 __device__ __forceinline__ void spin(int cycles) {
   const long long t0 = clock64();

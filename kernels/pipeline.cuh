@@ -120,6 +120,13 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
+/* %clock64 (this SM's cycles) with a memory clobber: not moved across the loads and stores around it */
+__device__ __forceinline__ long long clock_now() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+  return t;
+}
+
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 /* Spins until a counter that only grows has reached target, modulo 2^32 (it may wrap).
