@@ -228,12 +228,12 @@ int main(int argc, char **argv) {
                          "router synced",  "weights enter",  "weights looked", "first copy",     "routed",
                          "nan rows done",  "fc1 planned",    "first full",     "fc1 done",       "fc2 planned",
                          "first fc2 copy", "fc2 act stage",  "fc2 act done",   "exit",           "act 0 stage",
-                         "act 1 stage"};
+                         "act 1 stage",    "route done",     "x counted",      "past join",      "x seen"};
   const int slots[] = {kMarkEntry,        kMarkBarriersInit, kMarkWarmed,        kMarkPrologue,    kMarkRouterTables,
                        kMarkRouterSynced, kMarkWeightsEnter, kMarkWeightsLooked, kMarkFirstCopy,   kMarkRouted,
                        kMarkNanDone,      kMarkFc1Planned,   kMarkFirstFull,     kMarkFc1Done,     kMarkFc2Planned,
                        kMarkFirstFc2Copy, kMarkFc2ActStage,  kMarkFc2ActDone,    kMarkExit,        kMarkActStage,
-                       kMarkActStage1};
+                       kMarkActStage1,    kMarkRouteDone,    kMarkXCounted,      kMarkPastJoin,    kMarkXSeen};
   const int n_fixed = (int)(sizeof slots / sizeof slots[0]);
   printf("kcycles after each CTA's predecessor wait, median / max over the grid (-1: not stamped):\n");
   for (int k = 0; k < n_fixed; ++k) {

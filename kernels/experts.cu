@@ -621,6 +621,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
       if (ref.fc1 && !x_ready && !kLocalX) {
         wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
+        KX_MARK_BY_IF(lane == 0 && which == 0, kMarkXSeen);
         fence_proxy_async_global();
         x_ready = true;
       } else if (!ref.fc1 && !block_scaled_hidden(kLocalX) &&
@@ -1350,11 +1351,14 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     if (threadIdx.x == 0) call = p.sync->calls[blockIdx.x] + 1; /* used after x: the load overlaps it */
     if (warp < kConsumerWarps) {
       quantize_x<false>(p, smem, x_amax, p.x, true);
+      KX_MARK(kMarkXCounted);
       if (threadIdx.x == 0) record_call(p, call_slot, call);
     } else {
       route_launch(p, r, route_tid);
+      KX_MARK_BY_IF(route_tid == 0, kMarkRouteDone);
     }
     __syncthreads();
+    KX_MARK_BY_IF(threadIdx.x == kWeightWarp * 32, kMarkPastJoin);
   }
   KX_MARK(kMarkRouted);
   const unsigned long long call = *call_slot;

@@ -45,7 +45,12 @@ enum MarkSlot {
   kMarkWarmed,      /* the MMA warps' warm pass is done (one-token launches), before the clear */
   kMarkActStage,    /* activation warps 0 and 1 have the ring's first stage (each arrives on it next) */
   kMarkActStage1,
-  kMarkSlots = 25,
+  /* launches of several tokens, before the tiles: */
+  kMarkRouteDone,   /* the routing group's thread 0 left route_launch (before the CTA barrier) */
+  kMarkXCounted,    /* the MMA warps' thread 0 quantized its rows of x and counted them */
+  kMarkPastJoin,    /* the weight warp passed the CTA barrier that joins routing and x */
+  kMarkXSeen,       /* activation warp 0 saw every CTA's x counted */
+  kMarkSlots = 29,
 };
 
 constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */
