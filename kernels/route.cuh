@@ -202,6 +202,13 @@ __device__ void route_one_warp(const Routing &r, const int32_t *ids, int64_t ids
   }
 }
 
+/* Pair p's token, p / top_k without a division: p < kMaxPairs = 2^10 and top_k <= 32, so
+ * p * ceil(2^16 / top_k) >> 16 is exact (the rounding adds less than p / 2^16 < 1 / top_k). */
+__device__ __forceinline__ uint32_t pair_token_multiplier(int top_k) { return (65536u + top_k - 1) / top_k; }
+__device__ __forceinline__ int pair_token(int p, uint32_t multiplier) { return (int)((p * multiplier) >> 16); }
+constexpr int kPairsPerRouteThread = kMaxPairs / kRouteThreads;
+static_assert(kPairsPerRouteThread * kRouteThreads == kMaxPairs, "every pair has a thread");
+
 /* Builds the tables from ids rows tok0.. tok0+tokens-1. Bad ids are reported through
  * report_bad(pair index within this launch, id) by CTA 0 only. */
 template <typename ReportBad>
@@ -209,17 +216,26 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
                             int top_k, int experts, int tid, ReportBad report_bad) {
   const int lane = tid & 31, warp = tid >> 5;
   const int pairs = tokens * top_k;
+  const uint32_t to_token = pair_token_multiplier(top_k);
 
-  for (int p = tid; p < pairs; p += kRouteThreads) {
-    const int t = p / top_k, j = p % top_k;
-    const int id = ids[t * ids_ld + j];
-    const bool valid = id >= 0 && id < experts;
-    r.pair_expert[p] = valid ? (int16_t)id : (int16_t)-1;
+  /* every id of this thread's pairs requested before any is used: one round trip, not one per pair */
+  int id[kPairsPerRouteThread];
+#pragma unroll
+  for (int i = 0; i < kPairsPerRouteThread; ++i) {
+    const int p = tid + i * kRouteThreads, t = pair_token(p, to_token);
+    id[i] = p < pairs ? ids[t * ids_ld + p - t * top_k] : 0;
+  }
+#pragma unroll
+  for (int i = 0; i < kPairsPerRouteThread; ++i) {
+    const int p = tid + i * kRouteThreads;
+    if (p >= pairs) break;
+    const bool valid = id[i] >= 0 && id[i] < experts;
+    r.pair_expert[p] = valid ? (int16_t)id[i] : (int16_t)-1;
     if (valid) {
-      atomicMin(&r.expert_slot[id], (uint32_t)p);
+      atomicMin(&r.expert_slot[id[i]], (uint32_t)p);
     } else {
-      r.token_bad[t] = 1;
-      report_bad(p, id);
+      r.token_bad[pair_token(p, to_token)] = 1;
+      report_bad(p, id[i]);
     }
   }
   route_sync();
@@ -264,7 +280,7 @@ __device__ void route_pairs(const Routing &r, const int32_t *ids, int64_t ids_ld
     /* token t's bit sits in one 32-bit half of the mask: a native shared atomic (a 64-bit
      * OR is a compare-and-swap loop); the bit it finds already set marks a repeat of this
      * expert in another slot of the token, so no scan of the token's slots is needed */
-    const int t = p / top_k;
+    const int t = pair_token(p, to_token);
     uint32_t *half = reinterpret_cast<uint32_t *>(&r.token_mask[r.expert_slot[e]]) + (t >> 5);
     const uint32_t bit = 1u << (t & 31);
     if (!(atomicOr(half, bit) & bit)) atomicAdd(&r.token_experts[t], 1);
