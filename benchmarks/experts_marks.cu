@@ -208,9 +208,13 @@ int main(int argc, char **argv) {
     const unsigned long long v = tm[(size_t)index * kMarksPerTile + k];
     return v ? (double)(long long)(v - waited) / 1000.0 : -1.0;
   };
-  /* one token: the units are the K distinct experts; each unit's last FC1 tile to store its hidden words */
+  /* the units are the launch's distinct experts (one token: its K); each unit's last FC1 tile to store its hidden
+   * words (one token) or its h (several) */
   const PhaseShape fc1 = fc1_shape(E, H, I), fc2 = fc2_shape(E, H, I);
-  const int units = batch == 1 ? K : 0, fc1_tiles = units * fc1.tiles;
+  std::vector<int32_t> distinct(ids);
+  std::sort(distinct.begin(), distinct.end());
+  const int units = (int)(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+  const int fc1_tiles = units * fc1.tiles;
   std::vector<double> last_stored(units, -1.0);
   for (int index = 0; index < fc1_tiles; ++index)
     last_stored[index / fc1.tiles] = std::max(last_stored[index / fc1.tiles], tile_ns(index, kMarkTileStored));
@@ -294,7 +298,9 @@ int main(int argc, char **argv) {
       else if (tile_at(c, n, kMarkTileParked) >= 0)
         printf(" | parked %.2f stored %.2f", tile_at(c, n, kMarkTileParked), tile_at(c, n, kMarkTileEpilogue));
       if (tile_ns(index, kMarkTileStored) >= 0) printf(" | stored %.2f", tile_ns(index, kMarkTileStored));
-      if (units > 0 && index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
+      if (tile_ns(index, kMarkTileReleased) >= 0) printf(" released %.2f", tile_ns(index, kMarkTileReleased));
+      if (tile_ns(index, kMarkTileReady) >= 0) printf(" | ready %.2f", tile_ns(index, kMarkTileReady));
+      if (index >= fc1_tiles && last_stored[(index - fc1_tiles) / fc2.tiles] > 0)
         printf(" | unit's last stored %.2f", last_stored[(index - fc1_tiles) / fc2.tiles]);
       for (int k = 0; k < kMarkSeenChunks && tile_ns(index, kMarkTileSeen + k) >= 0; ++k)
         printf("%s%.2f-%.2f/%llu", k ? " " : ", polled-seen/polls ", tile_ns(index, kMarkTilePolled + k),
@@ -306,7 +312,32 @@ int main(int argc, char **argv) {
   }
   /* one-token hand-offs: for each FC2 chunk whose activation warp polled before its words were all
    * stored, from the last store to the poll that saw it; and the time a poll takes when it repeats */
-  if (units > 0) {
+  if (batch > 1) { /* several tokens: a unit's hidden rows released by its last FC1 tile's epilogue warp */
+    std::vector<double> chain, ready_after, first_wait;
+    for (int u = 0; u < units; ++u) {
+      double released = -1.0;
+      for (int f = 0; f < fc1.tiles; ++f) released = std::max(released, tile_ns(u * fc1.tiles + f, kMarkTileReleased));
+      if (released >= 0 && last_stored[u] >= 0) chain.push_back(released - last_stored[u]);
+      for (int f = 0; f < fc2.tiles; ++f) {
+        const int index = fc1_tiles + u * fc2.tiles + f;
+        if (index >= kMarkMaxTiles) break;
+        const unsigned long long *t = &tm[(size_t)index * kMarksPerTile];
+        if (released >= 0 && tile_ns(index, kMarkTileReady) >= 0)
+          ready_after.push_back(tile_ns(index, kMarkTileReady) - released);
+        if (t[kMarkTileStart] && t[kMarkTileData]) first_wait.push_back((double)(t[kMarkTileData] - t[kMarkTileStart]) / 1000.0);
+      }
+    }
+    const auto quartiles = [](const std::vector<double> &v, const char *what) {
+      if (v.empty()) return;
+      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f, max %.2f\n", what, v.size(), percentile(v, 0.25), median(v),
+             percentile(v, 0.75), percentile(v, 1.0));
+    };
+    printf("hand-offs of several tokens:\n");
+    quartiles(chain, "a unit's last FC1 tile stored -> its rows released (us)");
+    quartiles(ready_after, "FC2 tiles: their unit released -> their activation warp knows it (us)");
+    quartiles(first_wait, "FC2 tiles: MMA warp 0's wait for the first stage (kcycles)");
+  }
+  if (batch == 1) {
     std::vector<double> handoff, per_poll;
     for (int index = fc1_tiles; index < fc1_tiles + units * fc2.tiles && index < kMarkMaxTiles; ++index) {
       const int unit = (index - fc1_tiles) / fc2.tiles;
@@ -334,7 +365,7 @@ int main(int argc, char **argv) {
   /* the launch's end, CTA by CTA: which CTAs end it, how late they entered and waited, their chunks */
   const auto chunks_of = [&](int c) {
     int n = 0;
-    for (int index : tiles_of[c]) n += index < fc1_tiles || units == 0 ? fc1.chunks() : fc2.chunks();
+    for (int index : tiles_of[c]) n += index < fc1_tiles ? fc1.chunks() : fc2.chunks();
     return n;
   };
   int late_waits = 0, entered_after = 0;
@@ -344,12 +375,11 @@ int main(int argc, char **argv) {
   }
   printf("CTAs past their wait > 0.25 us after the first: %d; entered after the first wait: %d\n", late_waits,
          entered_after);
-  printf("the 24 CTAs that exit last (us after the first wait: entry, wait, exit; chunks%s):\n",
-         units ? "" : ", one-token launches only");
+  printf("the 24 CTAs that exit last (us after the first wait: entry, wait, exit; chunks):\n");
   for (int i = 0; i < 24 && i < grid; ++i) {
     const int c = order[i];
     printf("  cta %3d: %6.2f %5.2f %6.2f  %2d%s", c, ((double)ns(c, kMarkEntryNs) - (double)waited) / 1000.0,
-           (ns(c, kMarkWaitedNs) - waited) / 1000.0, (ns(c, kMarkExitNs) - waited) / 1000.0, units ? chunks_of(c) : 0,
+           (ns(c, kMarkWaitedNs) - waited) / 1000.0, (ns(c, kMarkExitNs) - waited) / 1000.0, chunks_of(c),
            i % 4 == 3 ? "\n" : " |");
   }
   for (Dev *d : packed) delete d;

@@ -631,6 +631,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         if (!(known_ready & 1)) wait_equal(&p.sync->unit_ready[ref.unit], call);
         fence_proxy_async_global();
       }
+      KX_MARK_TILE_NS_BY_IF(lane == 0 && !ref.fc1 && !block_scaled_hidden(kLocalX), index, kMarkTileReady);
       __syncwarp();
     }
     /* Every stage in ring order, the other warp's too, and arrive on the ones it does not
@@ -1014,8 +1015,9 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
 }
 
 /* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it (not for
- * block-scaled rows: their tiles hand their blocks over themselves). */
-__device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
+ * block-scaled rows: their tiles hand their blocks over themselves). Returns whether this was
+ * that tile (the marks stamp the release). */
+__device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
   if (lane == 0) {
@@ -1023,7 +1025,7 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
   }
-  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+  if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
   /* acquire the other tiles' h for every lane, though only lane 0's atomic saw the count:
    * as fence.acq_rel (enough at the other hand-offs) the lanes read stale hidden rows in
    * the race checks, so this one stays sequentially consistent */
@@ -1060,6 +1062,7 @@ __device__ void publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   }
   __syncwarp();
   if (lane == 0) store_release(&p.sync->unit_ready[ref.unit], call); /* a release: no fence first */
+  return true;
 }
 
 /* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
@@ -1156,7 +1159,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     if (!ref.fc1) {
       if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
     } else if (!block_scaled_hidden(kLocalX)) {
-      publish_fc1_tile(p, unit, ref, call);
+      if (publish_fc1_tile(p, unit, ref, call)) KX_MARK_TILE_NS_BY_IF(lane == 0, index, kMarkTileReleased);
     }
   }
 }

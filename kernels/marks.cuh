@@ -72,6 +72,9 @@ enum TileMark {
   /* one-token FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
   kMarkTileSummed = kMarkTilePolls + kMarkSeenChunks, /* the partial sums loaded and added (gate and up) */
   kMarkTileActivated,                   /* SiTU done */
+  /* launches of several tokens, %globaltimer (ns): */
+  kMarkTileReleased, /* FC1: this tile was its unit's last, and its epilogue warp released the unit's hidden rows */
+  kMarkTileReady,    /* FC2: its activation warp knows the unit's hidden rows are released (its poll, or one before) */
   /* counts, not clocks (MMA warp 0, lane 0): */
   kMarkTileWaits,  /* cycles in the full waits of the tile's chunks, summed */
   kMarkTileChunks, /* the tile's chunks */
