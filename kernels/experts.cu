@@ -123,22 +123,26 @@ static_assert(kUnitsPerWarp == 4, "consume_phase dispatches 0..4 units per warp 
  * B = 64). A block row is laid out as a stage's activation row of that chunk. FC1's x rows
  * stay per token. */
 KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(ph.chunk_kb); }
-/* Block-scaled hidden rows: each FC1 tile (32 hidden columns: one MX block per token)
- * quantizes its own block, so no hidden row waits for the unit's other tiles before its
- * quantization. FC2's activation producer folds a chunk's block scales into its f16 codes
- * relative to the chunk's largest (as x's are to the row's, quantize_store) and leaves the
- * chunk's multiplier, an fp32 power of two, at this offset in the padding of the stage's
- * first activation row; the MMA warps apply it once per chunk, not per unit. */
+/* Block-scaled hidden rows ("tagged" launches): each FC1 tile (32 hidden columns: one MX block
+ * per token) quantizes its own blocks, so no hidden row waits for the unit's other tiles before
+ * its quantization, and hands them to FC2 as tagged words (below) instead of through h, hq and
+ * the unit's counter, finisher and flag. FC2's activation producer folds a chunk's block scales
+ * into each row's f16 codes relative to that row's largest in the chunk (as x's are to the
+ * row's, quantize_store) and leaves the row's chunk multiplier, an fp32 power of two, at this
+ * offset + 4 * row in the padding of the stage's first activation row; the MMA warps apply
+ * them once per chunk, not per unit. */
 KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
-static_assert(kActRowPad >= 4, "a chunk's multiplier fits a block row's padding");
-/* Where hidden rows are block-scaled: launches with local x (one token: the hand-off is on
- * the critical path; -1 / -3 % at B = 1 for k3-tp8 / TP16). At every B, scales applied
- * per unit cost FC2's MMA loop +5 to +6 % at B >= 4 (session 19); a chunk's multiplier
- * would have to be one per token there. There each block also travels as
- * tagged words (below) instead of through hq and the unit's counter and flag. */
-KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x; }
+static_assert(kActRowPad >= 4 * kGroupTokens, "a chunk's multipliers, one per row, fit a block row's padding");
+/* Which launches are tagged: up to kTaggedMaxTokens tokens (one token has local x too). A
+ * unit's finisher (a fence, an atomic, a sequentially consistent fence, the rows' loads and
+ * quantization, then the flag) takes 3-7 us from the unit's last FC1 tile to its release
+ * (session 38), on the critical path where FC1 takes few rounds: tagged, B = 2 is -11 % at
+ * k3-tp8 and -8 % at TP16. From B = 3 the FC2 activation warps' gathers (a round trip a chunk
+ * and row, where a copy is one instruction) cost more than the finisher: +7 % / -1 % at B = 3,
+ * +5 / +3 % at B = 4, +19 / +20 % at B = 8. */
+constexpr int kTaggedMaxTokens = 2;
 
-/* Tagged hand-off words: block kb of unit u's hidden row is 16 words at (u * I / 32 + kb) * 16,
+/* Tagged hand-off words: block kb of hidden row r is 16 words at (r * I / 32 + kb) * 16,
  * word w = e4m3 codes of elements 2w, 2w + 1 | the block's E8M0 scale << 16 | call << 24
  * (the call number's low 40 bits). A 64-bit store is single-copy atomic, so a reader that
  * sees its own call's tag in a word has that word's data: the FC1 epilogue only stores, with
@@ -150,8 +154,10 @@ KX_HOST_DEVICE constexpr bool block_scaled_hidden(bool local_x) { return local_x
 constexpr int kHandoffWordsPerBlock = kMxBlock / 2;
 constexpr int kHandoffScaleShift = 16;
 constexpr int kHandoffTagShift = 24;
-constexpr int kHandoffBlocks = 4096; /* units (<= K) x I / 32 of a one-token launch: K x I <= 131072 */
-KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s) { return s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks; }
+constexpr int kHandoffBlocks = 4096; /* hidden rows (<= tokens x K) x I / 32 of a tagged launch */
+KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s, int tokens) {
+  return (int64_t)tokens * s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks;
+}
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
@@ -277,12 +283,12 @@ struct Params {
   uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *h_mult;   /* per hidden row: 2^(R + 14) */
-  unsigned long long *handoff; /* one-token launches' hidden blocks as tagged words */
+  unsigned long long *handoff; /* tagged launches' hidden blocks as tagged words */
   __nv_bfloat16 *y;
 };
 
 /* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
- * warp: one-token launches (block-scaled hidden rows) with one MMA warp per FC2 strip, so
+ * warp: one-token launches (tagged, block-scaled hidden rows) with one MMA warp per FC2 strip, so
  * there are no partial sums to add, and no combine (its counters are the epilogue warps').
  * The hop through an epilogue warp is the call's last step there (session 28: -2.3 % at
  * B = 1 without it). */
@@ -448,6 +454,11 @@ __device__ __forceinline__ float lds32f(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ float2 lds64f(uint32_t addr) {
+  const uint2 v = lds64(addr);
+  return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
+}
+
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -531,49 +542,52 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
   __syncwarp();
 }
 
-/* A one-token unit's hidden blocks for FC2 chunk c from their tagged words: polled until
+/* A unit's hidden blocks for FC2 chunk c from their tagged words, row by row: polled until
  * every word carries this call's tag, then widened to f16 in the stage as quantize_store
- * lays them out, each block's codes times 2^(its scale - ref), ref = the chunk's largest
- * scale - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
- * chunk_scale_offset. A NaN block's codes are NaN, so its sums stay NaN. Returns how many polls
- * it took (the marks count them). */
-__device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, int unit, int c,
-                                                    unsigned long long call) {
+ * lays them out, each block's codes times 2^(its scale - ref), ref = the row's largest scale
+ * in the chunk - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
+ * chunk_scale_offset + 4 * row. A NaN block's codes are NaN, so its sums stay NaN. Returns how
+ * many polls it took (the marks count them). */
+__device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
+                                                    int c, unsigned long long call) {
   constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
   const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
-  const unsigned long long *src =
-      p.handoff + ((int64_t)unit * p.fc2.k_blocks + c * p.fc2.chunk_kb) * kHandoffWordsPerBlock;
   const unsigned long long tag = call << kHandoffTagShift;
-  unsigned long long w[kPerLane];
-  bool mine;
   int polls = 0; /* for the marks */
-  do {
-    ++polls;
-    mine = true;
+  for (int i = 0; i < unit.count; ++i) {
+    const unsigned long long *src =
+        p.handoff + ((int64_t)(unit.row0 + i) * p.fc2.k_blocks + c * p.fc2.chunk_kb) * kHandoffWordsPerBlock;
+    uint8_t *row = st.act + i * block_row_bytes(p.fc2);
+    unsigned long long w[kPerLane];
+    bool mine;
+    do {
+      ++polls;
+      mine = true;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int j = lane + 32 * i;
-      if (j >= words) break;
-      w[i] = load_relaxed(src + j);
-      mine &= (w[i] & ~((1ull << kHandoffTagShift) - 1)) == tag;
+      for (int k = 0; k < kPerLane; ++k) {
+        const int j = lane + 32 * k;
+        if (j >= words) break;
+        w[k] = load_relaxed(src + j);
+        mine &= (w[k] & ~((1ull << kHandoffTagShift) - 1)) == tag;
+      }
+    } while (!__all_sync(0xFFFFFFFFu, mine));
+    uint32_t top = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (lane + 32 * k >= words) break;
+      top = max(top, handoff_scale(w[k]));
     }
-  } while (!__all_sync(0xFFFFFFFFu, mine));
-  uint32_t top = 0;
+    const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - kFoldHeadroomLog2, 0);
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    if (lane + 32 * i >= words) break;
-    top = max(top, handoff_scale(w[i]));
+    for (int k = 0; k < kPerLane; ++k) {
+      const int j = lane + 32 * k, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
+      if (j >= words) break;
+      const float rel = fold_factor((int)handoff_scale(w[k]), ref); /* both biased */
+      reinterpret_cast<uint32_t *>(row + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
+          scaled_f16x2((uint32_t)w[k] & 0xFFFFu, rel);
+    }
+    if (lane == 0) reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2))[i] = exp2_exact(ref - kE8m0Bias);
   }
-  const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - kFoldHeadroomLog2, 0);
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int j = lane + 32 * i, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
-    if (j >= words) break;
-    const float rel = fold_factor((int)handoff_scale(w[i]), ref); /* both biased */
-    reinterpret_cast<uint32_t *>(st.act + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
-        scaled_f16x2((uint32_t)w[i] & 0xFFFFu, rel);
-  }
-  if (lane == 0) *reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2)) = exp2_exact(ref - kE8m0Bias);
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
   if (lane == 0) mbar_arrive(full);
   return polls;
@@ -598,7 +612,7 @@ __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int t
  * x once, each unit's hidden rows before its first FC2 tile. Activation producer `which`
  * takes the CTA's tiles q with q % kActivationWarps == which, so one prepares and issues
  * its tile while the other's copies are in flight. */
-template <bool kLocalX>
+template <bool kLocalX, bool kTagged>
 __device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                                     int which, unsigned long long call) {
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
@@ -614,9 +628,12 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
     const bool mine = q % kActivationWarps == which;
+    /* a tagged FC2 tile's chunks alternate between the two warps, so one's poll of the
+     * tagged words and their widening overlap the other's */
+    const bool by_chunk = !ref.fc1 && kTagged;
     Unit unit;
+    if (mine || by_chunk) unit = unit_info(r, ref.unit);
     if (mine) {
-      unit = unit_info(r, ref.unit);
       __syncwarp();
       if (ref.fc1 && lane < unit.count) rows[lane] = nth_set_bit(unit.mask, unit.first_rank + lane); /* x rows */
       if (ref.fc1 && !x_ready && !kLocalX) {
@@ -624,14 +641,14 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
         KX_MARK_BY_IF(lane == 0 && which == 0, kMarkXSeen);
         fence_proxy_async_global();
         x_ready = true;
-      } else if (!ref.fc1 && !block_scaled_hidden(kLocalX) &&
+      } else if (!ref.fc1 && !kTagged &&
                  (q - q_known >= 32 || !((known_ready >> (q - q_known)) & 1))) {
         q_known = q;
         known_ready = poll_units(p, index, total_tiles, fc1_tiles, call);
         if (!(known_ready & 1)) wait_equal(&p.sync->unit_ready[ref.unit], call);
         fence_proxy_async_global();
       }
-      KX_MARK_TILE_NS_BY_IF(lane == 0 && !ref.fc1 && !block_scaled_hidden(kLocalX), index, kMarkTileReady);
+      KX_MARK_TILE_NS_BY_IF(lane == 0 && !ref.fc1 && !kTagged, index, kMarkTileReady);
       __syncwarp();
     }
     /* Every stage in ring order, the other warp's too, and arrive on the ones it does not
@@ -639,9 +656,6 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
      * stages could run two laps ahead of the MMA warps; one that waited without arriving
      * could fall a phase behind them (they need only the owner's copy) and then wait for a
      * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung. */
-    /* a one-token FC2 tile's chunks alternate between the two warps, so one's poll of the
-     * tagged words and their widening overlap the other's */
-    const bool by_chunk = !ref.fc1 && block_scaled_hidden(kLocalX);
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages), ++n) {
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
@@ -659,9 +673,9 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       } else if (ref.fc1)
         copy_activations(st, &full[s], p.xq + c * ph.chunk_kb * kActBlockBytes, (int64_t)ph.k_blocks * kActBlockBytes,
                          rows, unit.count, nkb * kActBlockBytes);
-      else if (block_scaled_hidden(kLocalX)) {
+      else if (kTagged) {
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolled + c);
-        const int polls = gather_hidden_blocks(p, st, &full[s], ref.unit, c, call);
+        const int polls = gather_hidden_blocks(p, st, &full[s], unit, c, call);
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
         KX_MARK_TILE_VALUE_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolls + c, polls);
       } else {
@@ -697,10 +711,10 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * load first (unit by unit), then the stage is released, then decode + MMA with no
  * branch between units. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
- * bytes of the same stage and are left out of the sums). kChunkScale: the chunk's sums take
- * the multiplier its activation producer left at chunk_scale (block-scaled hidden rows).
- * kOneToken: MMA column 0 (the launch's token) is the only one read, so the others are
- * not summed. */
+ * bytes of the same stage and are left out of the sums). kChunkScale: each MMA column's
+ * chunk sums take its row's multiplier, which the activation producer left at chunk_scale
+ * (block-scaled hidden rows). kOneToken: MMA column 0 (the launch's token) is the only one
+ * read, so the others are not summed. */
 template <int kUnits, int kStep, bool kChunkScale, bool kOneToken, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o,
                                               uint32_t chunk_scale_at, uint64_t *empty, float (&acc)[4],
@@ -718,7 +732,10 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       b[j] = lds128(act + j * kStep * kActBlockBytes);
       sw[j] = lds16(scales + j * kStep * kUnitScaleBytes);
     }
-    const float chunk_scale = kChunkScale ? lds32f(act_base + chunk_scale_at) : 1.0f;
+    /* columns 2t and 2t + 1 (t = lane % 4): their rows' chunk multipliers */
+    const float2 chunk_scale = !kChunkScale ? make_float2(1.0f, 1.0f)
+                               : kOneToken  ? make_float2(lds32f(act_base + chunk_scale_at), 0.0f)
+                                            : lds64f(act_base + chunk_scale_at + 8 * (threadIdx.x & 3));
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* kChunkScale: this chunk's sums */
     float (&sums)[4] = kChunkScale ? part : acc;
     /* every lane releases its own loads (an arrive is a release): no warp-wide sync or
@@ -743,8 +760,8 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
         sums[3] = fmaf(d[3], sw_g8, sums[3]);
       }
     }
-    if constexpr (kChunkScale) /* a power of two: the same bits as the scales in the codes */
-      for (int i = 0; i < 4; i += kOneToken ? 2 : 1) acc[i] = fmaf(part[i], chunk_scale, acc[i]);
+    if constexpr (kChunkScale) /* powers of two: the same bits as the scales in the codes */
+      for (int i = 0; i < 4; i += kOneToken ? 2 : 1) acc[i] = fmaf(part[i], i & 1 ? chunk_scale.y : chunk_scale.x, acc[i]);
   }
 }
 
@@ -840,12 +857,11 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
-template <int kUnits, int kStep, bool kLocalX, bool kChunkScale>
+template <int kUnits, int kStep, bool kLocalX, bool kChunkScale, bool kOneToken>
 __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *smem, const Routing &r,
                                                     const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
-  static_assert(kLocalXMaxTokens == 1, "local x and block-scaled hidden rows mean one token");
-  constexpr bool kOneToken = kLocalX || kChunkScale;
-  const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kChunkScale);
+  static_assert(!kLocalX || kOneToken, "local x means one token");
+  const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kOneToken && kChunkScale);
   for (; index < end; index += gridDim.x) {
     KX_MARK_TILE_ENTER(index);
     KX_WAITS_DECLARE;
@@ -882,34 +898,36 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
   return index; /* the first of the CTA's tiles at or past end: the next phase's first */
 }
 
-template <int kStep, bool kLocalX, bool kChunkScale>
+template <int kStep, bool kLocalX, bool kChunkScale, bool kOneToken>
 __device__ __forceinline__ int consume_phase_by_units(const Params &p, uint8_t *smem, const Routing &r,
                                                        const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
   switch (cp.units) {
-    case 4: return consume_phase_tiles<4, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
-    case 3: return consume_phase_tiles<3, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
-    case 2: return consume_phase_tiles<2, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
-    case 1: return consume_phase_tiles<1, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
-    default: return consume_phase_tiles<0, kStep, kLocalX, kChunkScale>(p, smem, r, cp, index, end, ring);
+    case 4: return consume_phase_tiles<4, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
+    case 3: return consume_phase_tiles<3, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
+    case 2: return consume_phase_tiles<2, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
+    case 1: return consume_phase_tiles<1, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
+    default: return consume_phase_tiles<0, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
   }
 }
 
 /* The MMA warps' share of one phase: this CTA's tiles from `index` (stepping by the grid)
  * below `end`; the dispatch on the warp's plan happens once here. FC1 has 4 strips, so
- * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. */
-template <bool kLocalX>
+ * its k-step is always 4; FC2's 4, 8 or 16 strips give 4, 2 or 1. One-token launches are
+ * the local-x ones (kLocalXMaxTokens); tagged launches' FC2 sums take chunk multipliers. */
+template <bool kLocalX, bool kTagged>
 __device__ __forceinline__ int consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
                                               int fc1_tiles, int index, int end, ConsumerRing &ring) {
+  static_assert(kLocalXMaxTokens == 1 && (!kLocalX || kTagged), "local x: one token, tagged");
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
   KX_MARK(fc1 ? kMarkFc1Planned : kMarkFc2Planned);
-  constexpr bool kScales = block_scaled_hidden(kLocalX);
   if (fc1) {
-    return consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false>(p, smem, r, cp, index, end, ring);
+    return consume_phase_by_units<kConsumerWarps / kFc1Strips, kLocalX, false, kLocalX>(p, smem, r, cp, index, end,
+                                                                                        ring);
   }
   switch (cp.k_step) {
-    case 4: return consume_phase_by_units<4, false, kScales>(p, smem, r, cp, index, end, ring);
-    case 2: return consume_phase_by_units<2, false, kScales>(p, smem, r, cp, index, end, ring);
-    default: return consume_phase_by_units<1, false, kScales>(p, smem, r, cp, index, end, ring);
+    case 4: return consume_phase_by_units<4, false, kTagged, kLocalX>(p, smem, r, cp, index, end, ring);
+    case 2: return consume_phase_by_units<2, false, kTagged, kLocalX>(p, smem, r, cp, index, end, ring);
+    default: return consume_phase_by_units<1, false, kTagged, kLocalX>(p, smem, r, cp, index, end, ring);
   }
 }
 
@@ -949,7 +967,7 @@ struct TileTokens {
   uint32_t slots;
 };
 
-template <bool kLocalX>
+template <bool kLocalX, bool kTagged>
 __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing &r, const Unit &unit,
                                                   const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k;
@@ -961,7 +979,7 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
     wait_count(&p.sync->xq_ready, (unsigned int)call * gridDim.x);
     tt.mult = __ldcg(&p.x_mult[tt.token]);
   } else {
-    if (block_scaled_hidden(kLocalX)) {
+    if (kTagged) {
       tt.mult = row_multiplier(0); /* the blocks' scales are in the sums: no reference */
     } else {
       wait_equal(&p.sync->unit_ready[ref.unit], call);
@@ -973,27 +991,29 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
 }
 
 /* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile);
- * block-scaled (one token), the tile's block quantized here and handed to FC2 as tagged words. */
-template <bool kLocalX>
+ * tagged, the tile's block of each token quantized here and handed to FC2 as tagged words. */
+template <bool kLocalX, bool kTagged>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt, unsigned long long call) {
-  constexpr bool kBlocks = block_scaled_hidden(kLocalX);
   const int lane = threadIdx.x & 31;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
-  static_assert(!kBlocks || kLocalXMaxTokens == 1, "tagged blocks are one token's: one pass, lane k = column k");
-  if constexpr (kBlocks) {
-    /* the launch's one token: MMA column 0, its multiplier in every lane (run_epilogues), so
-     * the block's path to its tagged words holds no shuffle but the quantization's */
-    const int row = lane % kStripRows, pair = lane / kStripRows;
-    const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, 0, tt.mult);
-    const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, 0, tt.mult);
-    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
-    const float h = situ(gate, up, p.beta, p.linear_beta);
-    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
-    /* FC1 tile f's 32 hidden columns are FC2's k-block f */
-    store_handoff_block(p.handoff + ((int64_t)ref.unit * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h,
-                        p.hidden_floor, call);
+  if constexpr (kTagged) {
+    /* a pass per token (MMA column i), lane k = column k. One token (local x) has its
+     * multiplier in every lane (run_epilogues), so its block's path to its tagged words holds
+     * no shuffle but the quantization's */
+    const int row = lane % kStripRows, pair = lane / kStripRows, count = kLocalX ? 1 : unit.count;
+    for (int i = 0; i < count; ++i) {
+      const float mult = kLocalX ? tt.mult : __shfl_sync(0xFFFFFFFFu, tt.mult, i);
+      const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
+      const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
+      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
+      const float h = situ(gate, up, p.beta, p.linear_beta);
+      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
+      /* FC1 tile f's 32 hidden columns are FC2's k-block f */
+      store_handoff_block(p.handoff + ((int64_t)(unit.row0 + i) * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
+                          h, p.hidden_floor, call);
+    }
   } else {
     const int I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
     for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
@@ -1127,7 +1147,7 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
 }
 
 /* Epilogue warp e takes this CTA's tiles e, e + kEpilogueWarps, ... */
-template <bool kLocalX>
+template <bool kLocalX, bool kTagged>
 __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                               unsigned long long call) {
   const int e = (threadIdx.x >> 5) - kFirstEpilogueWarp, lane = threadIdx.x & 31;
@@ -1138,17 +1158,17 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
-  const int end = fc2_rows_by_mma_warps(p, block_scaled_hidden(kLocalX)) ? fc1_tiles : total_tiles;
+  const int end = fc2_rows_by_mma_warps(p, kLocalX) ? fc1_tiles : total_tiles;
   for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(kEpilogueWarps)) {
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
-    TileTokens tt = tile_tokens<kLocalX>(p, r, unit, ref, call);
+    TileTokens tt = tile_tokens<kLocalX, kTagged>(p, r, unit, ref, call);
     mbar_wait(&parked[e], slot.parity);
     KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileParked);
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
     if (kLocalX && ref.fc1) tt.mult = local_x_mult[0]; /* the launch's one token, in every lane */
-    if (ref.fc1) store_fc1_sums<kLocalX>(p, reduce, unit, ref, tt, call);
+    if (ref.fc1) store_fc1_sums<kLocalX, kTagged>(p, reduce, unit, ref, tt, call);
     else store_fc2_sums(p, reduce, unit, ref, tt);
     KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
     KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileEpilogue);
@@ -1158,7 +1178,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     if (lane == 0) mbar_arrive(&freed[e]);
     if (!ref.fc1) {
       if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
-    } else if (!block_scaled_hidden(kLocalX)) {
+    } else if (!kTagged) {
       if (publish_fc1_tile(p, unit, ref, call)) KX_MARK_TILE_NS_BY_IF(lane == 0, index, kMarkTileReleased);
     }
   }
@@ -1276,8 +1296,9 @@ __device__ __forceinline__ void record_call(const Params &p, unsigned long long 
 }
 
 /* kLocalX: a launch of at most smem.x_local_rows tokens, its x in every CTA's shared
- * memory; the other launches run the kernel without any of that code. */
-template <bool kLocalX>
+ * memory; kTagged: a launch that hands its hidden rows to FC2 as tagged words (launch_kind).
+ * The other launches run the kernel without any of that code. */
+template <bool kLocalX, bool kTagged>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t smem[];
   KX_MARK(kMarkEntry);
@@ -1372,12 +1393,12 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   if (warp == kWeightWarp) {
     produce_weights(p, smem, r, total_tiles, fc1_tiles);
   } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
-    produce_activations<kLocalX>(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
+    produce_activations<kLocalX, kTagged>(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
   } else if (warp >= kFirstEpilogueWarp) {
     /* 2. the rows no tile will write */
     write_nan_rows(p, r, threadIdx.x - kFirstEpilogueWarp * 32);
     KX_MARK_BY_IF(threadIdx.x == kFirstEpilogueWarp * 32, kMarkNanDone);
-    run_epilogues<kLocalX>(p, smem, r, total_tiles, fc1_tiles, call);
+    run_epilogues<kLocalX, kTagged>(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
@@ -1386,15 +1407,25 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     int index = blockIdx.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */
-      index = consume_phase<kLocalX>(p, smem, r, fc1, fc1_tiles, index, fc1 ? fc1_tiles : total_tiles, ring);
+      index = consume_phase<kLocalX, kTagged>(p, smem, r, fc1, fc1_tiles, index, fc1 ? fc1_tiles : total_tiles, ring);
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
     KX_MARK_NS(kMarkExitNs);
   }
 }
 
-/* the kernel built without and with local x, indexed by whether a launch takes it */
-void (*const kExpertsKernels[2])(Params) = {experts_kernel<false>, experts_kernel<true>};
+/* the kernel for each kind of launch (launch_kind) */
+enum LaunchKind { kWideLaunch, kTaggedLaunch, kOneTokenLaunch, kLaunchKinds };
+void (*const kExpertsKernels[kLaunchKinds])(Params) = {experts_kernel<false, false>, experts_kernel<false, true>,
+                                                       experts_kernel<true, true>};
+
+/* One token with room for its x in shared memory: local x, tagged. Up to kTaggedMaxTokens:
+ * tagged. Tagged launches need their hidden blocks to fit the hand-off words. */
+LaunchKind launch_kind(const kx_moe_shape &s, const SmemLayout &L, int tokens) {
+  if (!handoff_fits(s, tokens)) return kWideLaunch;
+  if (tokens <= L.x_local_rows) return kOneTokenLaunch;
+  return tokens <= kTaggedMaxTokens ? kTaggedLaunch : kWideLaunch;
+}
 
 int launch_tokens_for(const kx_moe_shape &s) {
   const int by_pairs = kMaxPairs / s.top_k;
@@ -1421,17 +1452,17 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
   if (L.bytes > max_smem || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
-  for (int local = 0; local < 2; ++local) {
+  for (int kind = 0; kind < kLaunchKinds; ++kind) {
     /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
      * layer configured later cannot break a larger one */
     cudaFuncAttributes attrs;
-    err = cudaFuncGetAttributes(&attrs, kExpertsKernels[local]);
+    err = cudaFuncGetAttributes(&attrs, kExpertsKernels[kind]);
     if (err == cudaSuccess && attrs.maxDynamicSharedSizeBytes < L.bytes)
-      err = cudaFuncSetAttribute(kExpertsKernels[local], cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
+      err = cudaFuncSetAttribute(kExpertsKernels[kind], cudaFuncAttributeMaxDynamicSharedMemorySize, L.bytes);
     if (err != cudaSuccess) return err;
     /* the CTAs hand work to each other through counters: all must be resident at once */
     int per_sm = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kExpertsKernels[local], kThreads, L.bytes);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kExpertsKernels[kind], kThreads, L.bytes);
     if (err != cudaSuccess) return err;
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
   }
@@ -1493,8 +1524,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
     p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
     p.ids = a->ids + tok0 * a->ids_row_stride;
     p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
-    const bool local_x = p.tokens <= p.smem.x_local_rows && handoff_fits(s);
-    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[local_x], p);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[launch_kind(s, p.smem, p.tokens)], p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
