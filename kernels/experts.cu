@@ -34,10 +34,10 @@
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
- *      and releases it (one-token launches: each tile quantizes its own block and stores
- *      it as tagged words, which need no release);
+ *      and releases it (tagged launches, of one or two tokens: each tile quantizes its own
+ *      blocks and stores them as tagged words, which need no release);
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
- *      the unit's hidden rows, or (one token) the two take the chunks in turn and poll the
+ *      the unit's hidden rows, or (tagged) the two take the chunks in turn and poll the
  *      tagged words of each chunk's blocks (the weights are already on their way); bf16
  *      results go to every slot that routed the token there (one token and one MMA warp
  *      per strip: from the MMA warps themselves, no epilogue). Combined output: each (token,
@@ -137,9 +137,9 @@ static_assert(kActRowPad >= 4 * kGroupTokens, "a chunk's multipliers, one per ro
  * unit's finisher (a fence, an atomic, a sequentially consistent fence, the rows' loads and
  * quantization, then the flag) takes 3-7 us from the unit's last FC1 tile to its release
  * (session 38), on the critical path where FC1 takes few rounds: tagged, B = 2 is -11 % at
- * k3-tp8 and -8 % at TP16. From B = 3 the FC2 activation warps' gathers (a round trip a chunk
- * and row, where a copy is one instruction) cost more than the finisher: +7 % / -1 % at B = 3,
- * +5 / +3 % at B = 4, +19 / +20 % at B = 8. */
+ * k3-tp8 and -9 % at TP16. From B = 3 the FC2 activation warps' gathers (each chunk's words
+ * loaded, checked, widened and stored by a warp, where a copy is one instruction) cost more
+ * than the finisher: +6 / 0 % at B = 3, +4 / +4 % at B = 4, +16 / +19 % at B = 8. */
 constexpr int kTaggedMaxTokens = 2;
 
 /* Tagged hand-off words: block kb of hidden row r is 16 words at (r * I / 32 + kb) * 16,
@@ -542,49 +542,66 @@ __device__ __forceinline__ void copy_hidden_block(const Params &p, const Stage &
   __syncwarp();
 }
 
-/* A unit's hidden blocks for FC2 chunk c from their tagged words, row by row: polled until
- * every word carries this call's tag, then widened to f16 in the stage as quantize_store
- * lays them out, each block's codes times 2^(its scale - ref), ref = the row's largest scale
- * in the chunk - 7 (exact within 22 binades of the largest), and 2^(ref - 127) left at
- * chunk_scale_offset + 4 * row. A NaN block's codes are NaN, so its sums stay NaN. Returns how
- * many polls it took (the marks count them). */
+/* One hidden row's tagged words for FC2 chunk c: lane l holds words l, l + 32, ... */
+constexpr int kHiddenWordsPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
+struct HiddenWords {
+  unsigned long long w[kHiddenWordsPerLane];
+};
+
+/* Loads (polls once) hidden row `row`'s words of FC2 chunk c; their tags are checked at use, so
+ * the loads stay in flight until then. */
+__device__ __forceinline__ void load_hidden_words(const Params &p, int row, int c, HiddenWords &h) {
+  const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
+  const unsigned long long *src =
+      p.handoff + ((int64_t)row * p.fc2.k_blocks + c * p.fc2.chunk_kb) * kHandoffWordsPerBlock;
+#pragma unroll
+  for (int k = 0; k < kHiddenWordsPerLane; ++k) {
+    const int j = lane + 32 * k;
+    if (j >= words) break;
+    h.w[k] = load_relaxed(src + j);
+  }
+}
+
+/* A unit's hidden blocks for FC2 chunk c from their tagged words, row by row (the first row's
+ * already loaded into `first`): polled until every word carries this call's tag, then widened
+ * to f16 in the stage as quantize_store lays them out, each block's codes times
+ * 2^(its scale - ref), ref = the row's largest scale in the chunk - 7 (exact within 22 binades
+ * of the largest), and 2^(ref - 127) left at chunk_scale_offset + 4 * row. A NaN block's codes
+ * are NaN, so its sums stay NaN. Returns how many polls it took (the marks count them). */
 __device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
-                                                    int c, unsigned long long call) {
-  constexpr int kPerLane = kMaxChunkKb * kHandoffWordsPerBlock / 32;
+                                                    int c, unsigned long long call, HiddenWords &first) {
   const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
   const unsigned long long tag = call << kHandoffTagShift;
   int polls = 0; /* for the marks */
   for (int i = 0; i < unit.count; ++i) {
-    const unsigned long long *src =
-        p.handoff + ((int64_t)(unit.row0 + i) * p.fc2.k_blocks + c * p.fc2.chunk_kb) * kHandoffWordsPerBlock;
-    uint8_t *row = st.act + i * block_row_bytes(p.fc2);
-    unsigned long long w[kPerLane];
-    bool mine;
-    do {
+    HiddenWords &h = first; /* the first row's words, then each next row's in the same registers */
+    if (i > 0) load_hidden_words(p, unit.row0 + i, c, h);
+    for (;;) {
       ++polls;
-      mine = true;
+      bool mine = true;
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        const int j = lane + 32 * k;
-        if (j >= words) break;
-        w[k] = load_relaxed(src + j);
-        mine &= (w[k] & ~((1ull << kHandoffTagShift) - 1)) == tag;
+      for (int k = 0; k < kHiddenWordsPerLane; ++k) {
+        if (lane + 32 * k >= words) break;
+        mine &= (h.w[k] & ~((1ull << kHandoffTagShift) - 1)) == tag;
       }
-    } while (!__all_sync(0xFFFFFFFFu, mine));
+      if (__all_sync(0xFFFFFFFFu, mine)) break;
+      load_hidden_words(p, unit.row0 + i, c, h);
+    }
     uint32_t top = 0;
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
+    for (int k = 0; k < kHiddenWordsPerLane; ++k) {
       if (lane + 32 * k >= words) break;
-      top = max(top, handoff_scale(w[k]));
+      top = max(top, handoff_scale(h.w[k]));
     }
     const int ref = max((int)__reduce_max_sync(0xFFFFFFFFu, top) - kFoldHeadroomLog2, 0);
+    uint8_t *row = st.act + i * block_row_bytes(p.fc2);
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
+    for (int k = 0; k < kHiddenWordsPerLane; ++k) {
       const int j = lane + 32 * k, kb = j / kHandoffWordsPerBlock, wi = j % kHandoffWordsPerBlock;
       if (j >= words) break;
-      const float rel = fold_factor((int)handoff_scale(w[k]), ref); /* both biased */
+      const float rel = fold_factor((int)handoff_scale(h.w[k]), ref); /* both biased */
       reinterpret_cast<uint32_t *>(row + kb * kActBlockBytes)[handoff_fragment_word(wi)] =
-          scaled_f16x2((uint32_t)w[k] & 0xFFFFu, rel);
+          scaled_f16x2((uint32_t)h.w[k] & 0xFFFFu, rel);
     }
     if (lane == 0) reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2))[i] = exp2_exact(ref - kE8m0Bias);
   }
@@ -659,6 +676,9 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages), ++n) {
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
+      /* a tagged chunk's first row's words: their round trip overlaps the wait for the stage */
+      HiddenWords first;
+      if (by_chunk && n % kActivationWarps == which) load_hidden_words(p, unit.row0, c, first);
       mbar_wait(&empty[s], pos.parity ^ 1);
       KX_MARK_BY_IF(lane == 0 && n == 0, kMarkActStage + which);
       if (by_chunk ? n % kActivationWarps != which : !mine) {
@@ -675,7 +695,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
                          rows, unit.count, nkb * kActBlockBytes);
       else if (kTagged) {
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolled + c);
-        const int polls = gather_hidden_blocks(p, st, &full[s], unit, c, call);
+        const int polls = gather_hidden_blocks(p, st, &full[s], unit, c, call, first);
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
         KX_MARK_TILE_VALUE_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolls + c, polls);
       } else {
