@@ -310,8 +310,11 @@ int main(int argc, char **argv) {
     printf("\n   | %.2f %.2f %.2f %.2f %.2f %.2f\n", at(c, kMarkFc1Done), at(c, kMarkFc2Planned),
            at(c, kMarkFirstFc2Copy), at(c, kMarkFc2ActStage), at(c, kMarkFc2ActDone), at(c, kMarkExit));
   }
-  /* one-token hand-offs: for each FC2 chunk whose activation warp polled before its words were all
-   * stored, from the last store to the poll that saw it; and the time a poll takes when it repeats */
+  const auto quartiles = [](const std::vector<double> &v, const char *what) {
+    if (v.empty()) return;
+    printf("  %s: %zu, quartiles %.2f / %.2f / %.2f, max %.2f\n", what, v.size(), percentile(v, 0.25), median(v),
+           percentile(v, 0.75), percentile(v, 1.0));
+  };
   if (batch > 1) { /* several tokens: a unit's hidden rows released by its last FC1 tile's epilogue warp */
     std::vector<double> chain, ready_after, first_wait;
     for (int u = 0; u < units; ++u) {
@@ -327,16 +330,13 @@ int main(int argc, char **argv) {
         if (t[kMarkTileStart] && t[kMarkTileData]) first_wait.push_back((double)(t[kMarkTileData] - t[kMarkTileStart]) / 1000.0);
       }
     }
-    const auto quartiles = [](const std::vector<double> &v, const char *what) {
-      if (v.empty()) return;
-      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f, max %.2f\n", what, v.size(), percentile(v, 0.25), median(v),
-             percentile(v, 0.75), percentile(v, 1.0));
-    };
     printf("hand-offs of several tokens:\n");
     quartiles(chain, "a unit's last FC1 tile stored -> its rows released (us)");
     quartiles(ready_after, "FC2 tiles: their unit released -> their activation warp knows it (us)");
     quartiles(first_wait, "FC2 tiles: MMA warp 0's wait for the first stage (kcycles)");
   }
+  /* one-token hand-offs: for each FC2 chunk whose activation warp polled before its words were all
+   * stored, from the last store to the poll that saw it; and the time a poll takes when it repeats */
   if (batch == 1) {
     std::vector<double> handoff, per_poll;
     for (int index = fc1_tiles; index < fc1_tiles + units * fc2.tiles && index < kMarkMaxTiles; ++index) {
@@ -352,14 +352,9 @@ int main(int argc, char **argv) {
         if (polls > 1) per_poll.push_back((seen - polled) / (double)polls);
       }
     }
-    const auto quartiles = [](const std::vector<double> &v, const char *what) {
-      if (v.empty()) return;
-      printf("  %s: %zu, quartiles %.2f / %.2f / %.2f us, max %.2f\n", what, v.size(), percentile(v, 0.25), median(v),
-             percentile(v, 0.75), percentile(v, 1.0));
-    };
     printf("one-token hand-offs (FC2 chunks):\n");
-    quartiles(handoff, "polled before the words were stored; last store -> seen");
-    quartiles(per_poll, "polled more than once; time per poll");
+    quartiles(handoff, "polled before the words were stored; last store -> seen (us)");
+    quartiles(per_poll, "polled more than once; time per poll (us)");
   }
 
   /* the launch's end, CTA by CTA: which CTAs end it, how late they entered and waited, their chunks */
