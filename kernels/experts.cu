@@ -85,6 +85,7 @@ constexpr int kEpilogueWarps = 5;
 constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
+static_assert(kStages % kActivationWarps == 0, "tagged FC2 chunks alternate warps: each stage stays one warp's");
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
 /* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
  * bytes plus 64 of padding, so the 8 rows' 16-byte fragment loads hit all banks. */
@@ -606,7 +607,7 @@ __device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage
     if (lane == 0) reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2))[i] = exp2_exact(ref - kE8m0Bias);
   }
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
-  if (lane == 0) mbar_arrive(full);
+  if (lane == 0) mbar_arrive(full, kActivationWarps); /* the other warp's arrival too (produce_activations) */
   return polls;
 }
 
@@ -672,16 +673,20 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
      * fill: a parity wait is only right within one phase of the barrier. One that skipped
      * stages could run two laps ahead of the MMA warps; one that waited without arriving
      * could fall a phase behind them (they need only the owner's copy) and then wait for a
-     * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung. */
+     * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung.
+     * Tagged FC2 chunks are the exception: chunk n is warp n % 2's, so each stage is always
+     * the same warp's from there on, and its own waits keep it within a phase; the other
+     * warp skips the chunk and the gatherer arrives for both (-0.5 % at B = 1, session 39). */
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages), ++n) {
+      if (by_chunk && n % kActivationWarps != which) continue;
       const int s = pos.stage;
       const Stage st = stage_at(smem, p.smem, s);
       /* a tagged chunk's first row's words: their round trip overlaps the wait for the stage */
       HiddenWords first;
-      if (by_chunk && n % kActivationWarps == which) load_hidden_words(p, unit.row0, c, first);
+      if (by_chunk) load_hidden_words(p, unit.row0, c, first);
       mbar_wait(&empty[s], pos.parity ^ 1);
       KX_MARK_BY_IF(lane == 0 && n == 0, kMarkActStage + which);
-      if (by_chunk ? n % kActivationWarps != which : !mine) {
+      if (!by_chunk && !mine) {
         if (lane == 0) mbar_arrive(&full[s]);
         continue;
       }
