@@ -63,7 +63,8 @@ namespace {
 
 /* ---- constants ---------------------------------------------------------------- */
 /* warp roles: 16 MMA (consumer) warps, a weight producer, two activation producers and
- * 5 epilogue warps, so neither copies nor epilogues ever wait behind each other. The MMA
+ * 5 epilogue warps (tagged launches of several tokens: four and three, see Roles), so
+ * neither copies nor epilogues ever wait behind each other. The MMA
  * warps bound the speed (at B = 8 they waited for data 22 % of the call with 8 of them,
  * the weight producer for free stages half of it); 16 hide their shared-memory and MMA
  * latencies better (-4.5 % at B = 8; 80 registers, no spills since v24, which loads the
@@ -79,13 +80,25 @@ constexpr int kConsumerWarps = 1 << kConsumerWarpsLog2;
 constexpr int kConsumerThreads = kConsumerWarps * 32;
 constexpr int kWeightWarp = kConsumerWarps;
 constexpr int kActivationWarp = kWeightWarp + 1;
-constexpr int kActivationWarps = 2; /* take alternate tiles of the CTA */
-constexpr int kFirstEpilogueWarp = kActivationWarp + kActivationWarps;
-constexpr int kEpilogueWarps = 5;
-constexpr int kThreads = (kFirstEpilogueWarp + kEpilogueWarps) * 32;
+constexpr int kSideWarps = 7; /* after the weight producer: the activation producers, then the epilogue warps */
+constexpr int kThreads = (kActivationWarp + kSideWarps) * 32;
+constexpr int kMaxActivationWarps = 4, kMaxEpilogueWarps = 5; /* over the kinds of launch (Roles) */
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
-static_assert(kStages % kActivationWarps == 0, "tagged FC2 chunks alternate warps: each stage stays one warp's");
+
+/* The side warps' roles by kind of launch. Activation producers take alternate tiles of the
+ * CTA, a tagged launch's FC2 chunks in turn (each stage always one warp's). A tagged launch of
+ * several tokens polls and widens its FC2 chunks' words on four of them, one per stage, and
+ * keeps three epilogue warps: -1.9 % at k3-tp8 B = 2, -5.5 % at TP16 (session 39); wide
+ * launches lost 1.5-14 % with three epilogue warps, one-token launches gained nothing. */
+template <bool kLocalX, bool kTagged>
+struct Roles {
+  static constexpr int kActivationWarps = kTagged && !kLocalX ? 4 : 2;
+  static constexpr int kEpilogueWarps = kSideWarps - kActivationWarps;
+  static constexpr int kFirstEpilogueWarp = kActivationWarp + kActivationWarps;
+  static_assert(kStages % kActivationWarps == 0, "tagged FC2 chunks go round the warps: each stage stays one warp's");
+  static_assert(kActivationWarps <= kMaxActivationWarps && kEpilogueWarps <= kMaxEpilogueWarps, "shared memory");
+};
 constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f16 */
 /* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
  * bytes plus 64 of padding, so the 8 rows' 16-byte fragment loads hit all banks. */
@@ -134,14 +147,16 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
  * them once per chunk, not per unit. */
 KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
 static_assert(kActRowPad >= 4 * kGroupTokens, "a chunk's multipliers, one per row, fit a block row's padding");
-/* Which launches are tagged: up to kTaggedMaxTokens tokens (one token has local x too). A
- * unit's finisher (a fence, an atomic, a sequentially consistent fence, the rows' loads and
+/* Which launches are tagged: those whose FC1 takes at most kTaggedFc1Rounds rounds of the
+ * grid (tokens x K units of fc1.tiles tiles at most; one token has local x too). A unit's
+ * finisher (a fence, an atomic, a sequentially consistent fence, the rows' loads and
  * quantization, then the flag) takes 3-7 us from the unit's last FC1 tile to its release
  * (session 38), on the critical path where FC1 takes few rounds: tagged, B = 2 is -11 % at
- * k3-tp8 and -9 % at TP16. From B = 3 the FC2 activation warps' gathers (each chunk's words
- * loaded, checked, widened and stored by a warp, where a copy is one instruction) cost more
- * than the finisher: +6 / 0 % at B = 3, +4 / +4 % at B = 4, +16 / +19 % at B = 8. */
-constexpr int kTaggedMaxTokens = 2;
+ * k3-tp8 and -9 % at TP16 (2.9 rounds each), TP16's B = 3 / 4 -6 % (2.2 / 2.9 rounds, with
+ * four gatherers, Roles). With more rounds the finishers hide behind FC2 tiles, and the FC2
+ * gathers (each chunk's words loaded, checked, widened and stored by a warp, where a copy is
+ * one instruction) cost more: k3-tp8 B = 3 (4.4 rounds) +1.4 %, B = 8 +4 %, TP16 B = 8 +6 %. */
+constexpr int kTaggedFc1Rounds = 3;
 
 /* Tagged hand-off words: block kb of hidden row r is 16 words at (r * I / 32 + kb) * 16,
  * word w = e4m3 codes of elements 2w, 2w + 1 | the block's E8M0 scale << 16 | call << 24
@@ -231,11 +246,11 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.ring = take(kStages * kStageBytes, 128);
   L.full = take(8 * kStages, 8);
   L.empty = take(8 * kStages, 8);
-  L.parked = take(8 * kEpilogueWarps, 8);
-  L.freed = take(8 * kEpilogueWarps, 8);
-  L.reduce = take(4 * kReduceFloats * kEpilogueWarps, 16);
+  L.parked = take(8 * kMaxEpilogueWarps, 8);
+  L.freed = take(8 * kMaxEpilogueWarps, 8);
+  L.reduce = take(4 * kReduceFloats * kMaxEpilogueWarps, 16);
   L.call = take(8, 8);
-  L.act_rows = take(4 * kGroupTokens * kActivationWarps, 4);
+  L.act_rows = take(4 * kGroupTokens * kMaxActivationWarps, 4);
   L.x_amax = take(4 * kMaxLaunchTokens, 4);
   L.token_mask = take(8 * pairs, 8);
   L.expert_slot = take(4 * experts, 4);
@@ -569,6 +584,7 @@ __device__ __forceinline__ void load_hidden_words(const Params &p, int row, int 
  * 2^(its scale - ref), ref = the row's largest scale in the chunk - 7 (exact within 22 binades
  * of the largest), and 2^(ref - 127) left at chunk_scale_offset + 4 * row. A NaN block's codes
  * are NaN, so its sums stay NaN. Returns how many polls it took (the marks count them). */
+template <int kActivationWarps>
 __device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage &st, uint64_t *full, const Unit &unit,
                                                     int c, unsigned long long call, HiddenWords &first) {
   const int lane = threadIdx.x & 31, words = p.fc2.chunk_k_blocks(c) * kHandoffWordsPerBlock;
@@ -607,7 +623,7 @@ __device__ __forceinline__ int gather_hidden_blocks(const Params &p, const Stage
     if (lane == 0) reinterpret_cast<float *>(st.act + chunk_scale_offset(p.fc2))[i] = exp2_exact(ref - kE8m0Bias);
   }
   __syncwarp(); /* the lanes' stores before lane 0's arrive, a release */
-  if (lane == 0) mbar_arrive(full, kActivationWarps); /* the other warp's arrival too (produce_activations) */
+  if (lane == 0) mbar_arrive(full, kActivationWarps); /* the other warps' arrivals too (produce_activations) */
   return polls;
 }
 
@@ -629,10 +645,11 @@ __device__ __forceinline__ uint32_t poll_units(const Params &p, int index, int t
 /* Activations are written in this launch by other CTAs, so these warps wait for them:
  * x once, each unit's hidden rows before its first FC2 tile. Activation producer `which`
  * takes the CTA's tiles q with q % kActivationWarps == which, so one prepares and issues
- * its tile while the other's copies are in flight. */
+ * its tile while the others' copies are in flight. */
 template <bool kLocalX, bool kTagged>
 __device__ void produce_activations(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                                     int which, unsigned long long call) {
+  constexpr int kActivationWarps = Roles<kLocalX, kTagged>::kActivationWarps;
   uint64_t *full = reinterpret_cast<uint64_t *>(smem + p.smem.full);
   uint64_t *empty = reinterpret_cast<uint64_t *>(smem + p.smem.empty);
   int *rows = reinterpret_cast<int *>(smem + p.smem.act_rows) + which * kGroupTokens;
@@ -641,13 +658,13 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
   uint32_t known_ready = 0; /* bit i: this CTA's tile q_known + i has its activations */
   int q_known = 0;
   RingPos pos;
-  int n = 0; /* chunks walked so far, the other warp's too */
+  int n = 0; /* chunks walked so far, the other warps' too */
   for (int index = blockIdx.x, q = 0; index < total_tiles; index += gridDim.x, ++q) {
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const PhaseShape &ph = ref.fc1 ? p.fc1 : p.fc2;
     const bool mine = q % kActivationWarps == which;
-    /* a tagged FC2 tile's chunks alternate between the two warps, so one's poll of the
-     * tagged words and their widening overlap the other's */
+    /* a tagged FC2 tile's chunks go round the warps, so one's poll of the tagged words and
+     * their widening overlap the others' */
     const bool by_chunk = !ref.fc1 && kTagged;
     Unit unit;
     if (mine || by_chunk) unit = unit_info(r, ref.unit);
@@ -669,14 +686,15 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       KX_MARK_TILE_NS_BY_IF(lane == 0 && !ref.fc1 && !kTagged, index, kMarkTileReady);
       __syncwarp();
     }
-    /* Every stage in ring order, the other warp's too, and arrive on the ones it does not
+    /* Every stage in ring order, the other warps' too, and arrive on the ones it does not
      * fill: a parity wait is only right within one phase of the barrier. One that skipped
      * stages could run two laps ahead of the MMA warps; one that waited without arriving
      * could fall a phase behind them (they need only the owner's copy) and then wait for a
      * phase that needs its own next copy: with 1-chunk tiles (H = 64, E = 4096) that hung.
-     * Tagged FC2 chunks are the exception: chunk n is warp n % 2's, so each stage is always
-     * the same warp's from there on, and its own waits keep it within a phase; the other
-     * warp skips the chunk and the gatherer arrives for both (-0.5 % at B = 1, session 39). */
+     * Tagged FC2 chunks are the exception: chunk n is warp n % kActivationWarps's, so each
+     * stage is always the same warp's from there on, and its own waits keep it within a
+     * phase; the others skip the chunk and the gatherer arrives for all (-0.5 % at B = 1,
+     * session 39). */
     for (int c = 0; c < ph.chunks(); ++c, pos.advance(kStages), ++n) {
       if (by_chunk && n % kActivationWarps != which) continue;
       const int s = pos.stage;
@@ -685,7 +703,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
       HiddenWords first;
       if (by_chunk) load_hidden_words(p, unit.row0, c, first);
       mbar_wait(&empty[s], pos.parity ^ 1);
-      KX_MARK_BY_IF(lane == 0 && n == 0, kMarkActStage + which);
+      KX_MARK_BY_IF(lane == 0 && n == 0 && which < 2, kMarkActStage + which);
       if (!by_chunk && !mine) {
         if (lane == 0) mbar_arrive(&full[s]);
         continue;
@@ -700,7 +718,7 @@ __device__ void produce_activations(const Params &p, uint8_t *smem, const Routin
                          rows, unit.count, nkb * kActBlockBytes);
       else if (kTagged) {
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolled + c);
-        const int polls = gather_hidden_blocks(p, st, &full[s], unit, c, call, first);
+        const int polls = gather_hidden_blocks<kActivationWarps>(p, st, &full[s], unit, c, call, first);
         KX_MARK_TILE_NS_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTileSeen + c);
         KX_MARK_TILE_VALUE_BY_IF(lane == 0 && c < kMarkSeenChunks, index, kMarkTilePolls + c, polls);
       } else {
@@ -846,6 +864,7 @@ struct ConsumerRing {
   uint64_t *full, *empty;
   RingPos pos;      /* the stage the MMA warps read next */
   RingPos epilogue; /* the epilogue warp (stage) that takes the next tile's sums */
+  int epilogue_warps; /* Roles::kEpilogueWarps */
 };
 
 /* Hands a tile's partial sums to the next epilogue warp in turn. */
@@ -857,7 +876,7 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
   park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
-  ring.epilogue.advance(kEpilogueWarps);
+  ring.epilogue.advance(ring.epilogue_warps);
 }
 
 /* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
@@ -1171,11 +1190,12 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   }
 }
 
-/* Epilogue warp e takes this CTA's tiles e, e + kEpilogueWarps, ... */
+/* Epilogue warp e takes this CTA's tiles e, e + Roles::kEpilogueWarps, ... */
 template <bool kLocalX, bool kTagged>
 __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, int total_tiles, int fc1_tiles,
                               unsigned long long call) {
-  const int e = (threadIdx.x >> 5) - kFirstEpilogueWarp, lane = threadIdx.x & 31;
+  using R = Roles<kLocalX, kTagged>;
+  const int e = (threadIdx.x >> 5) - R::kFirstEpilogueWarp, lane = threadIdx.x & 31;
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
@@ -1184,7 +1204,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
   const int end = fc2_rows_by_mma_warps(p, kLocalX) ? fc1_tiles : total_tiles;
-  for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(kEpilogueWarps)) {
+  for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(R::kEpilogueWarps)) {
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
     const Unit unit = unit_info(r, ref.unit);
@@ -1212,8 +1232,8 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
 /* ---- rows that no tile writes: bad ids (SPEC 7) ------------------------------------ */
 /* By the epilogue warps (tid: a thread's index among them) before their first tile, which
  * comes a tile's chunks later: on the MMA warps this was on B = 1's path to its first MMA. */
+template <int kThreadsWriting>
 __device__ void write_nan_rows(const Params &p, const Routing &r, int tid) {
-  constexpr int kThreadsWriting = kEpilogueWarps * 32;
   const int K = p.shape.top_k, H = p.shape.hidden;
   const __nv_bfloat16 nan = __ushort_as_bfloat16(kBf16Nan);
   if (p.route_weights) {
@@ -1325,6 +1345,7 @@ __device__ __forceinline__ void record_call(const Params &p, unsigned long long 
  * The other launches run the kernel without any of that code. */
 template <bool kLocalX, bool kTagged>
 __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_constant__ Params p) {
+  using R = Roles<kLocalX, kTagged>;
   extern __shared__ __align__(128) uint8_t smem[];
   KX_MARK(kMarkEntry);
   KX_MARK_NS(kMarkEntryNs);
@@ -1343,10 +1364,10 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       /* the weights' expect_tx, the filling activation producer's expect_tx and the other's arrive */
-      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + kActivationWarps);
+      mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + R::kActivationWarps);
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.empty) + s, kConsumerThreads);
     }
-    for (int e = 0; e < kEpilogueWarps; ++e) {
+    for (int e = 0; e < R::kEpilogueWarps; ++e) {
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.parked) + e, kConsumerWarps);
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.freed) + e, 1);
     }
@@ -1417,17 +1438,17 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
 
   if (warp == kWeightWarp) {
     produce_weights(p, smem, r, total_tiles, fc1_tiles);
-  } else if (warp >= kActivationWarp && warp < kFirstEpilogueWarp) {
+  } else if (warp >= kActivationWarp && warp < R::kFirstEpilogueWarp) {
     produce_activations<kLocalX, kTagged>(p, smem, r, total_tiles, fc1_tiles, warp - kActivationWarp, call);
-  } else if (warp >= kFirstEpilogueWarp) {
+  } else if (warp >= R::kFirstEpilogueWarp) {
     /* 2. the rows no tile will write */
-    write_nan_rows(p, r, threadIdx.x - kFirstEpilogueWarp * 32);
-    KX_MARK_BY_IF(threadIdx.x == kFirstEpilogueWarp * 32, kMarkNanDone);
+    write_nan_rows<R::kEpilogueWarps * 32>(p, r, threadIdx.x - R::kFirstEpilogueWarp * 32);
+    KX_MARK_BY_IF(threadIdx.x == R::kFirstEpilogueWarp * 32, kMarkNanDone);
     run_epilogues<kLocalX, kTagged>(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
     ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
-                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
+                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}, R::kEpilogueWarps};
     /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
     int index = blockIdx.x;
 #pragma unroll 1
@@ -1444,12 +1465,14 @@ enum LaunchKind { kWideLaunch, kTaggedLaunch, kOneTokenLaunch, kLaunchKinds };
 void (*const kExpertsKernels[kLaunchKinds])(Params) = {experts_kernel<false, false>, experts_kernel<false, true>,
                                                        experts_kernel<true, true>};
 
-/* One token with room for its x in shared memory: local x, tagged. Up to kTaggedMaxTokens:
- * tagged. Tagged launches need their hidden blocks to fit the hand-off words. */
-LaunchKind launch_kind(const kx_moe_shape &s, const SmemLayout &L, int tokens) {
+/* One token with room for its x in shared memory: local x, tagged. FC1 in at most
+ * kTaggedFc1Rounds rounds of the grid: tagged. Tagged launches need their hidden blocks to
+ * fit the hand-off words. */
+LaunchKind launch_kind(const kx_moe_shape &s, const SmemLayout &L, const PhaseShape &fc1, int tokens, int grid) {
   if (!handoff_fits(s, tokens)) return kWideLaunch;
   if (tokens <= L.x_local_rows) return kOneTokenLaunch;
-  return tokens <= kTaggedMaxTokens ? kTaggedLaunch : kWideLaunch;
+  const int64_t fc1_tiles = (int64_t)tokens * s.top_k * fc1.tiles;
+  return fc1_tiles <= (int64_t)kTaggedFc1Rounds * grid ? kTaggedLaunch : kWideLaunch;
 }
 
 int launch_tokens_for(const kx_moe_shape &s) {
@@ -1549,7 +1572,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
     p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
     p.ids = a->ids + tok0 * a->ids_row_stride;
     p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[launch_kind(s, p.smem, p.tokens)], p);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[launch_kind(s, p.smem, p.fc1, p.tokens, a->config.grid)], p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
