@@ -86,8 +86,8 @@ constexpr int kMaxActivationWarps = 4, kMaxEpilogueWarps = 5; /* over the kinds 
 constexpr int kUnitsPerWarp = kUnitsPerChunk / kConsumerWarps;
 constexpr int kStages = 4; /* 4 x 17 KB of weights in flight per SM already streams at 4.4 TB/s */
 
-/* The side warps' roles by kind of launch. Activation producers take alternate tiles of the
- * CTA, a tagged launch's FC2 chunks in turn (each stage always one warp's). A tagged launch of
+/* The side warps' roles by kind of launch. Activation producers take the CTA's tiles in turn,
+ * a tagged launch's FC2 chunks in turn (each stage always one warp's). A tagged launch of
  * several tokens polls and widens its FC2 chunks' words on four of them, one per stage, and
  * keeps three epilogue warps: -1.9 % at k3-tp8 B = 2, -5.5 % at TP16 (session 39); wide
  * launches lost 1.5-14 % with three epilogue warps, one-token launches gained nothing. */
@@ -804,7 +804,8 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       }
     }
     if constexpr (kChunkScale) /* powers of two: the same bits as the scales in the codes */
-      for (int i = 0; i < 4; i += kOneToken ? 2 : 1) acc[i] = fmaf(part[i], i & 1 ? chunk_scale.y : chunk_scale.x, acc[i]);
+      for (int i = 0; i < 4; i += kOneToken ? 2 : 1)
+        acc[i] = fmaf(part[i], i & 1 ? chunk_scale.y : chunk_scale.x, acc[i]);
   }
 }
 
@@ -1363,7 +1364,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
   /* 0. before the predecessor is done: nothing that reads its outputs */
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      /* the weights' expect_tx, the filling activation producer's expect_tx and the other's arrive */
+      /* the weights' expect_tx, the filling activation producer's expect_tx and the others' arrivals
+       * (a tagged FC2 chunk's gatherer arrives for all) */
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.full) + s, 1 + R::kActivationWarps);
       mbar_init(reinterpret_cast<uint64_t *>(smem + L.empty) + s, kConsumerThreads);
     }
@@ -1572,7 +1574,8 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
     p.x = (const __nv_bfloat16 *)a->x + tok0 * a->x_row_stride;
     p.ids = a->ids + tok0 * a->ids_row_stride;
     p.route_weights = a->route_weights ? a->route_weights + tok0 * a->weights_row_stride : nullptr;
-    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[launch_kind(s, p.smem, p.fc1, p.tokens, a->config.grid)], p);
+    const LaunchKind kind = launch_kind(s, p.smem, p.fc1, p.tokens, a->config.grid);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kExpertsKernels[kind], p);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
