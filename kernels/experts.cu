@@ -34,15 +34,15 @@
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
- *      and releases it (tagged launches, of one or two tokens: each tile quantizes its own
- *      blocks and stores them as tagged words, which need no release);
+ *      and releases it (tagged launches, whose FC1 takes few rounds: each tile quantizes its
+ *      own blocks and stores them as tagged words, which need no release);
  *   4. FC2 tile = 64, 128 or 256 output rows of one unit; an activation producer waits for
- *      the unit's hidden rows, or (tagged) the two take the chunks in turn and poll the
- *      tagged words of each chunk's blocks (the weights are already on their way); bf16
- *      results go to every slot that routed the token there (one token and one MMA warp
- *      per strip: from the MMA warps themselves, no epilogue). Combined output: each (token,
- *      column tile) counts arrivals and the last arriving CTA sums the slots in
- *      slot order.
+ *      the unit's hidden rows, or (tagged) the activation producers take the chunks in turn
+ *      and poll the tagged words of each chunk's blocks (the weights are already on their
+ *      way); bf16 results go to every slot that routed the token there (one token and one
+ *      MMA warp per strip: from the MMA warps themselves, no epilogue). Combined output:
+ *      each (token, column tile) counts arrivals and the last arriving CTA sums the slots
+ *      in slot order.
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.

@@ -15,10 +15,10 @@
  * Activations travel as f16 values with their block scales folded in, relative to one
  * reference exponent per row (act_reference_exponent), so the MMA loop multiplies by the
  * weight scale alone; the sums are multiplied by 2^(R + 14) once per output (the 2^14
- * undoes the FP4 placement, 2^R the reference). Tagged launches' hidden blocks (one or two
- * tokens) are folded the same way relative to each row's largest block in an FC2 chunk
- * instead, and the chunk's sums take 2^R once per row (experts.cu, kTaggedMaxTokens and
- * gather_hidden_blocks).
+ * undoes the FP4 placement, 2^R the reference). Tagged launches' hidden blocks (launches
+ * whose FC1 takes few rounds) are folded the same way relative to each row's largest block in
+ * an FC2 chunk instead, and the chunk's sums take 2^R once per row (experts.cu,
+ * kTaggedFc1Rounds and gather_hidden_blocks).
  */
 #pragma once
 
