@@ -859,17 +859,19 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   return cp;
 }
 
-/* The ring as the MMA warps see it. */
+/* The ring as the MMA warps see it, handing sums to kEpilogueWarps warps in turn (Roles). */
+template <int kEpilogueWarps_>
 struct ConsumerRing {
+  static constexpr int kEpilogueWarps = kEpilogueWarps_;
   uint32_t stages; /* shared address of stage 0 */
   uint64_t *full, *empty;
   RingPos pos;      /* the stage the MMA warps read next */
   RingPos epilogue; /* the epilogue warp (stage) that takes the next tile's sums */
-  int epilogue_warps; /* Roles::kEpilogueWarps */
 };
 
 /* Hands a tile's partial sums to the next epilogue warp in turn. */
-__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, ConsumerRing &ring, const float (&acc)[4]) {
+template <class Ring>
+__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &ring, const float (&acc)[4]) {
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const int e = ring.epilogue.stage;
@@ -877,7 +879,7 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Consume
   park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
-  ring.epilogue.advance(ring.epilogue_warps);
+  ring.epilogue.advance(Ring::kEpilogueWarps);
 }
 
 /* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
@@ -902,9 +904,9 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
  * bookkeeping of a generic loop took 23 % of the MMA warps' samples; three divisions per
  * tile another 9 % of the call). acc: rows g / g+8 x token columns 2t / 2t+1 of this
  * warp's strip over its k-blocks, a fixed set in a fixed order (deterministic). */
-template <int kUnits, int kStep, bool kLocalX, bool kChunkScale, bool kOneToken>
+template <int kUnits, int kStep, bool kLocalX, bool kChunkScale, bool kOneToken, class Ring>
 __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *smem, const Routing &r,
-                                                    const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
+                                                    const ConsumerPlan &cp, int index, int end, Ring &ring) {
   static_assert(!kLocalX || kOneToken, "local x means one token");
   const bool direct = kStep == 1 && fc2_rows_by_mma_warps(p, kOneToken && kChunkScale);
   for (; index < end; index += gridDim.x) {
@@ -943,9 +945,9 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
   return index; /* the first of the CTA's tiles at or past end: the next phase's first */
 }
 
-template <int kStep, bool kLocalX, bool kChunkScale, bool kOneToken>
+template <int kStep, bool kLocalX, bool kChunkScale, bool kOneToken, class Ring>
 __device__ __forceinline__ int consume_phase_by_units(const Params &p, uint8_t *smem, const Routing &r,
-                                                       const ConsumerPlan &cp, int index, int end, ConsumerRing &ring) {
+                                                       const ConsumerPlan &cp, int index, int end, Ring &ring) {
   switch (cp.units) {
     case 4: return consume_phase_tiles<4, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
     case 3: return consume_phase_tiles<3, kStep, kLocalX, kChunkScale, kOneToken>(p, smem, r, cp, index, end, ring);
@@ -961,7 +963,8 @@ __device__ __forceinline__ int consume_phase_by_units(const Params &p, uint8_t *
  * the local-x ones (kLocalXMaxTokens); tagged launches' FC2 sums take chunk multipliers. */
 template <bool kLocalX, bool kTagged>
 __device__ __forceinline__ int consume_phase(const Params &p, uint8_t *smem, const Routing &r, bool fc1,
-                                              int fc1_tiles, int index, int end, ConsumerRing &ring) {
+                                              int fc1_tiles, int index, int end,
+                                              ConsumerRing<Roles<kLocalX, kTagged>::kEpilogueWarps> &ring) {
   static_assert(kLocalXMaxTokens == 1 && (!kLocalX || kTagged), "local x: one token, tagged");
   const ConsumerPlan cp = consumer_plan<kLocalX>(p, smem, fc1, fc1_tiles);
   KX_MARK(fc1 ? kMarkFc1Planned : kMarkFc2Planned);
@@ -1449,8 +1452,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     run_epilogues<kLocalX, kTagged>(p, smem, r, total_tiles, fc1_tiles, call);
   } else {
     /* 3./4. the tiles, FC1's then FC2's: MMA, then the partial sums to an epilogue warp */
-    ConsumerRing ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
-                      reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}, R::kEpilogueWarps};
+    ConsumerRing<R::kEpilogueWarps> ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
+                                         reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
     /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
     int index = blockIdx.x;
 #pragma unroll 1
