@@ -4,7 +4,8 @@
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
  *        benchmarks/ws_gemm_check.cu kernels/ws_gemm.cu kernels/probe.cu -o /tmp/ws_gemm_check \
- *        [-DWITH_CUBLAS -lcublas] && /tmp/ws_gemm_check [--quick] [--check-only]
+ *        [-DWITH_CUBLAS -lcublas] && /tmp/ws_gemm_check [--quick] [--check-only | --time-only]
+ *        [--rounds R]
  *
  * 1. correctness against a double-precision host reference: plain and split epilogues, odd N,
  *    M across the launch boundaries (1..130), strided outputs, untouched padding and gap
@@ -12,7 +13,9 @@
  *    never picks; 2. bitwise determinism and batch invariance; 3. timing: CUDA graph
  *    of 8 GEMMs over 8 weight copies (L2 cannot serve them), median of replays / 8, with and
  *    without programmatic dependent launch, beside cuBLAS (with -DWITH_CUBLAS) and the HBM floor
- *    (kx_probe_read over 4 GiB); 4. a (small WsGemm -> big WsGemm) chain: pair vs sum alone.
+ *    (kx_probe_read over 4 GiB); --rounds R puts the 8 copies R times into each graph, so a
+ *    replay's own start (its first launch follows no kernel it could overlap) is shared by 8 R
+ *    GEMMs instead of 8; 4. a (small WsGemm -> big WsGemm) chain: pair vs sum alone.
  * Exit status 0 only when every correctness check passed.
  */
 #include <cuda_runtime.h>
@@ -260,26 +263,8 @@ struct GemmSet { /* 8 copies of W [n, k], x [64, k], y [64, n] each */
   }
 };
 
-int main(int argc, char **argv) {
-  bool quick = false, check_only = false;
-  for (int i = 1; i < argc; ++i) {
-    quick = quick || strcmp(argv[i], "--quick") == 0;
-    check_only = check_only || strcmp(argv[i], "--check-only") == 0;
-  }
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  printf("device: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major,
-         prop.minor);
-
-  printf("configs (kx_gemm_configure):\n");
-  for (auto nk : {std::make_pair(1024, 7168), std::make_pair(4096, 7168), std::make_pair(7168, 2048),
-                  std::make_pair(300, 640), std::make_pair(77, 128)}) {
-    kx_gemm_config c;
-    CHECK(kx_gemm_configure(nk.first, nk.second, 0, &c));
-    printf("  N=%5d K=%5d: grid %d, cluster %d, tile_n %d, smem %d, threads %d, waves %d, pdl %d\n",
-           nk.first, nk.second, c.grid, c.cluster, c.tile_n, c.smem_bytes, c.threads, c.waves, c.pdl);
-  }
-
+/* ---- the checks, in order ------------------------------------------------------------ */
+static void run_checks(bool quick) {
   printf("correctness:\n");
   uint32_t seed = 1;
   for (auto nk : {std::make_pair(77, 128), std::make_pair(300, 640), std::make_pair(1000, 1024)})
@@ -298,6 +283,36 @@ int main(int argc, char **argv) {
   check_invariance(4096, 7168);
   check_invariance(7168, 2048); /* tiles of 128 rows, pushed at every M */
   printf("correctness: %s\n", failures ? "SOME FAILED" : "all ok");
+}
+
+int main(int argc, char **argv) {
+  bool quick = false, check_only = false, time_only = false;
+  int rounds = 1;
+  for (int i = 1; i < argc; ++i) {
+    quick = quick || strcmp(argv[i], "--quick") == 0;
+    check_only = check_only || strcmp(argv[i], "--check-only") == 0;
+    time_only = time_only || strcmp(argv[i], "--time-only") == 0;
+    if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = atoi(argv[++i]);
+  }
+  if (rounds < 1 || (check_only && time_only)) {
+    fprintf(stderr, "usage: %s [--quick] [--check-only | --time-only] [--rounds R >= 1]\n", argv[0]);
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("device: %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major,
+         prop.minor);
+
+  printf("configs (kx_gemm_configure):\n");
+  for (auto nk : {std::make_pair(1024, 7168), std::make_pair(4096, 7168), std::make_pair(7168, 2048),
+                  std::make_pair(300, 640), std::make_pair(77, 128)}) {
+    kx_gemm_config c;
+    CHECK(kx_gemm_configure(nk.first, nk.second, 0, &c));
+    printf("  N=%5d K=%5d: grid %d, cluster %d, tile_n %d, smem %d, threads %d, waves %d, pdl %d\n",
+           nk.first, nk.second, c.grid, c.cluster, c.tile_n, c.smem_bytes, c.threads, c.waves, c.pdl);
+  }
+
+  if (!time_only) run_checks(quick);
   if (check_only) return failures ? 1 : 0;
 
   cudaStream_t s;
@@ -311,26 +326,27 @@ int main(int argc, char **argv) {
   Dev cublas_ws((size_t)32 << 20); /* a fixed workspace keeps cuBLAS graph-capturable */
   cublasSetWorkspace(hb, cublas_ws.p, (size_t)32 << 20);
 #endif
-  printf("timing (graph of 8 GEMMs over 8 weight copies, median of 60 replays, per GEMM):\n");
+  const int copies = 8, calls = copies * rounds;
+  printf("timing (graph of %d GEMMs over %d weight copies, median of 60 replays, per GEMM):\n", calls,
+         copies);
   printf("  %5s %5s %3s | %8s %8s %8s %8s | %7s %8s\n", "N", "K", "M", "us", "us_nopdl", "cublas",
          "floor", "TB/s", "vs cublas");
-  const int copies = 8;
   for (auto nk : {std::make_pair(1024, 7168), std::make_pair(4096, 7168), std::make_pair(7168, 2048)}) {
     GemmSet set(nk.first, nk.second, copies);
     const double wbytes = 2.0 * nk.first * nk.second;
     for (int m : {1, 4, 8, 16, 32, 64}) {
-      const float us = graph_us(s, [&] { for (int i = 0; i < copies; ++i) set.run(i, m, s, 1); }) / copies;
-      const float us0 = graph_us(s, [&] { for (int i = 0; i < copies; ++i) set.run(i, m, s, 0); }) / copies;
+      const float us = graph_us(s, [&] { for (int i = 0; i < calls; ++i) set.run(i, m, s, 1); }) / calls;
+      const float us0 = graph_us(s, [&] { for (int i = 0; i < calls; ++i) set.run(i, m, s, 0); }) / calls;
       float cub = NAN;
 #ifdef WITH_CUBLAS
       cub = graph_us(s, [&] {
               const float one = 1.f, zero = 0.f;
-              for (int i = 0; i < copies; ++i)
-                cublasGemmEx(hb, CUBLAS_OP_T, CUBLAS_OP_N, set.n, m, set.k, &one, set.w[i]->p,
+              for (int i = 0; i < calls; ++i)
+                cublasGemmEx(hb, CUBLAS_OP_T, CUBLAS_OP_N, set.n, m, set.k, &one, set.w[i % copies]->p,
                              CUDA_R_16BF, set.k, set.x->p, CUDA_R_16BF, set.k, &zero,
-                             set.y->as<uint16_t>() + (size_t)i * 64 * set.n, CUDA_R_16BF, set.n,
-                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-            }) / copies;
+                             set.y->as<uint16_t>() + (size_t)(i % copies) * 64 * set.n, CUDA_R_16BF,
+                             set.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            }) / calls;
 #endif
       const double floor_us = wbytes / (bw * 1e12) * 1e6;
       printf("  %5d %5d %3d | %8.2f %8.2f %8.2f %8.2f | %7.3f %8.2f\n", nk.first, nk.second, m, us,
