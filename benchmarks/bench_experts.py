@@ -1,6 +1,7 @@
 """The routed experts (SPEC 3, 6) on the GPU against the HBM floor.
 
-    python benchmarks/bench_experts.py [--replays 60] [--layers 8] [--rounds 1] [--out benchmarks/results/experts-h200.json]
+    python benchmarks/bench_experts.py [--replays 60] [--layers 8] [--rounds 1] [--warmup-ms 0]
+                                       [--out benchmarks/results/experts-h200.json]
 
 Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 shard
 (I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large).
@@ -30,7 +31,7 @@ SHAPES = {
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1):
+def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0):
     top_k = shape["top_k"]
     moes = []
     for l in range(layers):
@@ -48,7 +49,7 @@ def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1)
         for m in moes:
             m.prepare(B, scratch, out)
         us = graph_replay_time_us(lambda: [m.run(x, ids) for _ in range(rounds) for m in moes],
-                                  replays=replays) / (layers * rounds)
+                                  replays=replays, warmup_ms=warmup_ms) / (layers * rounds)
         distinct = int(torch.unique(ids).numel())
         weight_bytes = distinct * per_expert
         floor_us = weight_bytes / (hbm * 1e12) * 1e6
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--replays", type=int, default=60)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1, help="the layers' calls this many times a graph (a study)")
+    ap.add_argument("--warmup-ms", type=float, default=0.0,
+                    help="replay each graph this long before timing it (sustained load; a study)")
     ap.add_argument("--large", action="store_true", help="also B = 128, 256")
     ap.add_argument("--batches", help="only these B, comma-separated (a study, not the record)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -101,6 +104,10 @@ def main():
         ap.error("--rounds: at least 1")
     if args.rounds > 1 and os.path.abspath(args.out) == record:
         ap.error("--rounds: give --out (a study must not replace the record)")
+    if args.warmup_ms < 0:
+        ap.error("--warmup-ms: at least 0")
+    if args.warmup_ms > 0 and os.path.abspath(args.out) == record:
+        ap.error("--warmup-ms: give --out (a study must not replace the record)")
     if args.batches:
         if os.path.abspath(args.out) == record:
             ap.error("--batches: give --out (a study must not replace the record)")
@@ -119,8 +126,10 @@ def main():
     print(f"HBM read bandwidth: {hbm:.3f} TB/s (probe_read over 4 GiB)", flush=True)
     rows = []
     for name in args.shapes.split(","):
-        rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds)
-    write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays)
+        rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds,
+                            args.warmup_ms)
+    write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays,
+               warmup_ms=args.warmup_ms)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
     print_table(rows, ["shape", "B", "distinct_experts", "weight_bytes", "us", "floor_us", "ratio", "TBps"])
 

@@ -1,6 +1,6 @@
 """WsGemm (SPEC 4) on the GPU beside cuBLAS and the HBM floor.
 
-    python benchmarks/bench_gemm.py [--replays 60] [--out benchmarks/results/gemm-h200.json]
+    python benchmarks/bench_gemm.py [--replays 60] [--warmup-ms 0] [--out benchmarks/results/gemm-h200.json]
 
 For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32, 64:
 - us: one WsGemm, timed as a CUDA graph of 8 GEMMs over 8 weight copies (so L2 cannot serve
@@ -10,6 +10,8 @@ For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32,
 - cublas_us: torch.nn.functional.linear (cuBLAS) on the same 8 copies, same graph method.
 - floor_us: weight bytes / HBM read bandwidth (probe_read over 4 GiB, measured in this run).
 - TBps: weight bytes / us.  max_err: max |y - ref| / (|ref| + 2^-8 * rms(ref)) vs fp32.
+- --warmup-ms T: each of those graphs replays for T ms more before it is timed (a card under
+  sustained load, whose power cap may have lowered the SM clock; a study, not the record).
 Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs vs the two alone, for a WsGemm
 predecessor (which lets its dependents start at once) and a plain torch kernel (which does not),
 showing how much of the weight load the dependent launch hides. Also checks that results are
@@ -72,7 +74,7 @@ def max_err(y, ref):
     return ((y.float() - ref).abs() / scale).max().item()
 
 
-def bench_shape(kx, torch, n, k, replays, hbm_TBps):
+def bench_shape(kx, torch, n, k, replays, hbm_TBps, warmup_ms=0.0):
     import torch.nn.functional as F
 
     gen = torch.Generator(device="cuda").manual_seed(1000 * n + k)
@@ -92,9 +94,10 @@ def bench_shape(kx, torch, n, k, replays, hbm_TBps):
         err = max_err(outs[0], ref)
         cub_err = max_err(F.linear(x, weights[0]), ref)
 
-        us = graph_replay_time_us(lambda: run_all(gemms, x), replays) / COPIES
-        us_nopdl = graph_replay_time_us(lambda: run_all(gemms_nopdl, x), replays) / COPIES
-        cublas_us = graph_replay_time_us(lambda: [F.linear(x, w) for w in weights], replays) / COPIES
+        us = graph_replay_time_us(lambda: run_all(gemms, x), replays, warmup_ms=warmup_ms) / COPIES
+        us_nopdl = graph_replay_time_us(lambda: run_all(gemms_nopdl, x), replays, warmup_ms=warmup_ms) / COPIES
+        cublas_us = graph_replay_time_us(lambda: [F.linear(x, w) for w in weights], replays,
+                                         warmup_ms=warmup_ms) / COPIES
         floor_us = wbytes / (hbm_TBps * 1e12) * 1e6
         rows.append({
             "N": n, "K": k, "M": m, "us": us, "us_nopdl": us_nopdl, "cublas_us": cublas_us,
@@ -183,11 +186,17 @@ def chain(kx, torch, replays):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    record = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gemm-h200.json")
     parser.add_argument("--replays", type=int, default=60)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                      "results", "gemm-h200.json"))
+    parser.add_argument("--warmup-ms", type=float, default=0.0,
+                        help="replay each graph this long before timing it (sustained load; a study)")
+    parser.add_argument("--out", default=record)
     parser.add_argument("--no-chain", action="store_true")
     args = parser.parse_args()
+    if args.warmup_ms < 0:
+        parser.error("--warmup-ms: at least 0")
+    if args.warmup_ms > 0 and os.path.abspath(args.out) == record:
+        parser.error("--warmup-ms: give --out (a study must not replace the record)")
 
     import torch
     import kimi_experts as kx
@@ -200,12 +209,12 @@ def main():
     print(f"HBM read (probe_read, 4 GiB): {hbm:.3f} TB/s", flush=True)
     rows = []
     for n, k in SHAPES:
-        rows += bench_shape(kx, torch, n, k, args.replays, hbm)
+        rows += bench_shape(kx, torch, n, k, args.replays, hbm, args.warmup_ms)
         torch.cuda.empty_cache()
     invariant = batch_invariance(kx, torch, *CHAIN_SHAPE)
     chain_rows = [] if args.no_chain else chain(kx, torch, args.replays)
 
-    write_json(args.out, rows, hbm_read_TBps=hbm, copies=COPIES, replays=args.replays,
+    write_json(args.out, rows, hbm_read_TBps=hbm, copies=COPIES, replays=args.replays, warmup_ms=args.warmup_ms,
                torch=torch.__version__, batch_invariant=invariant, chain=chain_rows)
     if chain_rows:
         print("\nchain (per pair; hidden = pred + gemm alone - pair):")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -65,12 +66,16 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
-def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: int = 10) -> float:
+def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: int = 10,
+                         warmup_ms: float = 0.0) -> float:
     """Median time in microseconds of one replay of a CUDA graph that captures ``fn()``.
 
     ``fn`` must enqueue its work on ``torch.cuda.current_stream()`` (the capture stream while
     capturing, the replay stream afterwards). It runs once eagerly first (lazy initialisation,
     library heuristics), then is captured; ``warmup`` replays precede the ``replays`` timed ones.
+    ``warmup_ms`` > 0 keeps the GPU replaying the graph for that long more, right before the
+    timed replays: the H200's power cap lowers the SM clock only after ~0.1 s of a heavy load,
+    so a short run of replays times a fresh card and a long warm-up a card under sustained load.
     """
     import torch
 
@@ -86,6 +91,14 @@ def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: i
         fn()
     for _ in range(warmup):
         graph.replay()
+    if warmup_ms > 0:
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
+        graph.replay()
+        last.record()
+        last.synchronize()
+        for _ in range(math.ceil(warmup_ms / max(first.elapsed_time(last), 1e-3))):
+            graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for start, end in zip(starts, ends):

@@ -75,7 +75,7 @@ def test_build_logs_under_build_and_stops_on_failure(tmp_path):
     assert "no compiler" in (bad / "build" / "compare_builds.log").read_text()
 
 
-def test_batches_reach_each_run(tmp_path):
+def test_batches_and_warmup_reach_each_run(tmp_path):
     tree = tmp_path / "t"
     bench = tree / "benchmarks" / "bench_experts.py"
     bench.parent.mkdir(parents=True)
@@ -89,3 +89,6 @@ json.dump({{"rows": [{{"shape": "tp16", "B": 2, "us": 3.0}}]}}, open(sys.argv[sy
     assert done.stdout.splitlines()[1] == "tp16 2 | 3.00/3.00"
     runs = (tree / "argv").read_text().splitlines()
     assert len(runs) == 2 and all(r.startswith("--shapes tp16 --out ") and r.endswith(" --batches 1,2") for r in runs)
+    subprocess.run([sys.executable, str(SCRIPT), str(tree), "--passes", "1", "--shapes", "tp16",
+                    "--warmup-ms", "500"], capture_output=True, text=True, check=True)
+    assert (tree / "argv").read_text().splitlines()[2].endswith(" --warmup-ms 500.0")
