@@ -7,7 +7,12 @@ Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 
 (I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large).
 - us: one layer call (PersistentExperts.run, per-slot rows), timed as a CUDA graph of
   --layers calls over --layers distinct weight sets sharing one scratch (so L2 cannot
-  serve the weights), replayed --replays times: median / layers.
+  serve the weights), replayed --replays times: median / layers. That times a fresh card
+  (10 + 60 replays last tens of ms, before the board's power cap acts at B >= 8).
+  Studies, never the record: --rounds R captures the calls R times into each graph (median /
+  (layers R)), so that the replay's own start, which no kernel before it can overlap, weighs
+  as little as in a model's decode graph of many layers; --warmup-ms T replays each graph for
+  T ms more before timing it (a card under sustained load, its SM clock lowered by the cap).
 - floor_us: the weight bytes (FP4 + scales) of the distinct routed experts over the HBM
   read bandwidth measured in this run (probe_read over 4 GiB).
 - ratio = us / floor_us;  TBps = weight bytes / us.
