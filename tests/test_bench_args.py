@@ -1,0 +1,30 @@
+"""The benchmarks' study options: refused before anything runs when they would replace a
+record or make no sense (argument checks come before torch or a GPU is touched)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shapes import ROOT
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_experts.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
+    ("bench_experts.py", ["--rounds", "4"], "--rounds: give --out"),
+    ("bench_experts.py", ["--rounds", "0", "--out", "x.json"], "--rounds: at least 1"),
+    ("bench_experts.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
+    ("bench_gemm.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
+    ("bench_gemm.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
+])
+def test_study_options_refused(script, args, message):
+    done = _run(script, *args)
+    assert done.returncode == 2, (script, args, done.returncode, done.stderr)
+    assert message in done.stderr, (script, args, done.stderr)
