@@ -26,13 +26,13 @@
  * Prints per size the best case of each way and reader, every case, then B = 1's bytes through the
  * ring with spins, one stamped replay of some of those, and B = 1 as 16 experts of 384-expert layers.
  *
- * Session 42 (results/small-read-session42-h200.log, five machines): after a wait, B = 1's 35.1 MB
- * read 1.19-1.22x the floor as plain loads and 1.24-1.31x through the ring (8 launches a graph;
+ * Session 42 (results/small-read-session42-h200.log, seven leases): after a wait, B = 1's 35.1 MB
+ * read 1.19-1.22x the floor as plain loads and 1.20-1.31x through the ring (8 launches a graph;
  * session 36's skeleton, 1.51-1.54x, was not the bytes' own cost); a 2000-cycle start adds ~1.0 us
- * and 720 cycles a 16 KB chunk 2.0-2.7 us (sliced deal; 1.5-2.0 strided), more with deeper rings:
+ * and 720 cycles a 16 KB chunk 2.0-2.7 us (sliced deal; 1.5-2.1 strided), more with deeper rings:
  * a CTA whose first stage lands late carries the delay to its end once it has work per chunk. Pairs
  * (clusters of 2) and experts spread over an 842 MB layer change nothing. 58.7 MB: 1.00-1.03x early,
- * 1.10-1.14x after a wait.
+ * 1.10-1.15x after a wait.
  */
 #include <stdint.h>
 #include <stdio.h>
