@@ -24,15 +24,16 @@
  *           weight-stationary GEMM's weights; the launch still needs SMs the predecessor frees);
  *   serial  no programmatic launch (plain stream order).
  * Prints per size the best case of each way and reader, every case, then B = 1's bytes through the
- * ring with spins, one stamped replay of some of those, and B = 1 as 16 experts of 384-expert layers.
+ * ring with spins (and first waves smaller than the ring), one stamped replay of some of those, and
+ * B = 1 as 16 experts of 384-expert layers.
  *
- * Session 42 (results/small-read-session42-h200.log, seven leases): after a wait, B = 1's 35.1 MB
+ * Session 42 (results/small-read-session42-h200.log, eight leases): after a wait, B = 1's 35.1 MB
  * read 1.19-1.22x the floor as plain loads and 1.20-1.31x through the ring (8 launches a graph;
  * session 36's skeleton, 1.51-1.54x, was not the bytes' own cost); a 2000-cycle start adds ~1.0 us
  * and 720 cycles a 16 KB chunk 2.0-2.7 us (sliced deal; 1.5-2.1 strided), more with deeper rings:
- * a CTA whose first stage lands late carries the delay to its end once it has work per chunk. Pairs
- * (clusters of 2) and experts spread over an 842 MB layer change nothing. 58.7 MB: 1.00-1.03x early,
- * 1.10-1.15x after a wait.
+ * a CTA whose first stage lands late carries the delay to its end once it has work per chunk, and a
+ * smaller first wave does not help. Pairs (clusters of 2) and experts spread over an 842 MB layer
+ * change nothing. 58.7 MB: 1.00-1.03x early, 1.10-1.15x after a wait.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -436,16 +437,21 @@ int main(int argc, char **argv) {
             printf("    %-7s %6d %5s %6d %6d -> %8.2f %8.3f\n", deal_name(deal), stages, cluster > 1 ? "yes" : "no",
                    start, pace, us, us / b1_floor);
           }
-  /* A deeper ring whose first wave is 4 copies: the first stage lands as early as in 4 stages, and
-   * later the consumers' held stages leave more copies in flight. */
-  printf("    ring of 6 or 8 stages, 4 copies before the first stage lands:\n");
+  /* A first wave smaller than the ring: 1 or 2 copies of 4 stages (a shorter queue ahead of every
+   * CTA's first stage), or 4 copies of 6 or 8 stages (the first stage as early as with 4, and more
+   * copies in flight later, while the consumers hold stages). */
+  printf("    first wave (copies before the first stage lands) smaller than the ring:\n");
+  printf("    %-7s %6s %5s %6s %6s -> %8s %8s\n", "deal", "stages", "wave", "start", "pace", "us", "x floor");
   for (Deal deal : {Deal::kSliced, Deal::kStrided})
-    for (int stages : {6, 8})
-      for (int pace : {0, 360, 720}) {
-        const Case c{0, stages, Follow::kWait, 1, false, 16384, 1, 2000, pace, deal, 4};
-        const float us = time_case(c, b, b1);
-        printf("    %-7s %6d %5s %6d %6d -> %8.2f %8.3f\n", deal_name(deal), stages, "no", 2000, pace, us, us / b1_floor);
-      }
+    for (int stages : {4, 6, 8})
+      for (int wave : {1, 2, 4})
+        for (int pace : {0, 360, 720}) {
+          if ((stages == 4) == (wave == 4)) continue;
+          const Case c{0, stages, Follow::kWait, 1, false, 16384, 1, 2000, pace, deal, wave};
+          const float us = time_case(c, b, b1);
+          printf("    %-7s %6d %5d %6d %6d -> %8.2f %8.3f\n", deal_name(deal), stages, wave, 2000, pace, us,
+                 us / b1_floor);
+        }
 
   /* Where the time goes in those: one stamped replay each (the stamps' stores cost a little). */
   printf("\n%s, 4 stages of 16 KB, start 2000, one stamped replay; us from the launch's first wait, medians over its "
