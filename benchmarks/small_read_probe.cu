@@ -27,7 +27,7 @@
  * ring with spins (and first waves smaller than the ring), one stamped replay of some of those, and
  * B = 1 as 16 experts of 384-expert layers.
  *
- * Session 42 (results/small-read-session42-h200.log, eight leases): after a wait, B = 1's 35.1 MB
+ * Session 42 (results/small-read-session42-h200.log, nine leases): after a wait, B = 1's 35.1 MB
  * read 1.19-1.22x the floor as plain loads and 1.20-1.31x through the ring (8 launches a graph;
  * session 36's skeleton, 1.51-1.54x, was not the bytes' own cost); a 2000-cycle start adds ~1.0 us
  * and 720 cycles a 16 KB chunk 2.0-2.7 us (sliced deal; 1.5-2.1 strided), more with deeper rings:
@@ -307,9 +307,11 @@ float time_case(const Case &c, const Bench &b, int64_t bytes) {
 }
 
 /* One stamped replay of a ring case's graph: per launch after the first, from its earliest wait,
- * the medians over launches of: the median and last CTA's first full stage, the first, median and
- * last CTA's exit, and the gap from the previous launch's last exit to this one's first wait; the
- * SM clock from the consumers' spins; the most and fewest chunks a CTA took. */
+ * the medians over launches of: the median and last CTA's own wait (a CTA starts when the previous
+ * launch frees its SM), the median and last CTA's first full stage after its own wait, the median
+ * and last CTA's first full stage, the first, median and last CTA's exit, the wait and own first
+ * stage of the CTA that exits last, and the gap from the previous launch's last exit to this one's
+ * first wait; the SM clock from the consumers' spins; the most and fewest chunks a CTA took. */
 void print_timeline(const Case &c, const Bench &b, int64_t bytes) {
   Dev stamps((size_t)kBuffers * b.sms * sizeof(RingStamps));
   const cudaGraphExec_t ge = capture_graph(b.s, [&] { enqueue(c, b, bytes, stamps.as<RingStamps>()); });
@@ -318,35 +320,41 @@ void print_timeline(const Case &c, const Bench &b, int64_t bytes) {
   CHECK(cudaGraphExecDestroy(ge));
   std::vector<RingStamps> h((size_t)kBuffers * b.sms);
   CHECK(cudaMemcpy(h.data(), stamps.p, h.size() * sizeof(RingStamps), cudaMemcpyDeviceToHost));
-  std::vector<double> full_mid, full_last, exit_first, exit_mid, exit_last, gap, ghz;
+  enum { kWaitMid, kWaitLast, kOwnMid, kOwnLast, kFullMid, kFullLast, kExitFirst, kExitMid, kExitLast, kEndWait,
+         kEndOwn, kGap, kColumns };
+  std::vector<double> col[kColumns], ghz;
   int most = 0, fewest = 1 << 30;
   for (int l = 1; l < kBuffers; ++l) {
     const RingStamps *now = &h[(size_t)l * b.sms], *before = &h[(size_t)(l - 1) * b.sms];
     unsigned long long t0 = ~0ull, prev_exit = 0;
+    int last = 0;
     for (int i = 0; i < b.sms; ++i) {
       t0 = std::min(t0, now[i].waited);
       prev_exit = std::max(prev_exit, before[i].exit);
+      if (now[i].exit > now[last].exit) last = i;
     }
-    std::vector<double> ff, ex;
+    std::vector<double> wt, own, ff, ex;
     for (int i = 0; i < b.sms; ++i) {
+      wt.push_back((now[i].waited - t0) / 1e3);
+      own.push_back(((long long)now[i].first_full - (long long)now[i].waited) / 1e3);
       ff.push_back((now[i].first_full - t0) / 1e3);
       ex.push_back((now[i].exit - t0) / 1e3);
       if (c.pace_cycles > 0 && now[i].spin_ns > 0) ghz.push_back((double)now[i].spin_cycles / now[i].spin_ns);
       most = std::max(most, now[i].chunks);
       fewest = std::min(fewest, now[i].chunks);
     }
-    full_mid.push_back(median(ff));
-    full_last.push_back(percentile(ff, 1.0));
-    exit_first.push_back(percentile(ex, 0.0));
-    exit_mid.push_back(median(ex));
-    exit_last.push_back(percentile(ex, 1.0));
-    gap.push_back(((long long)t0 - (long long)prev_exit) / 1e3);
+    const double row[kColumns] = {median(wt), percentile(wt, 1.0), median(own), percentile(own, 1.0), median(ff),
+                                  percentile(ff, 1.0), percentile(ex, 0.0), median(ex), percentile(ex, 1.0),
+                                  wt[last], own[last], ((long long)t0 - (long long)prev_exit) / 1e3};
+    for (int k = 0; k < kColumns; ++k) col[k].push_back(row[k]);
   }
-  printf("    %-8s pace %4d: first full %5.2f / %5.2f  exit %5.2f / %5.2f / %5.2f  gap %5.2f us  clock %s  "
-         "chunks %d-%d\n",
-         deal_name(c.deal), c.pace_cycles, median(full_mid), median(full_last), median(exit_first), median(exit_mid),
-         median(exit_last), median(gap), ghz.empty() ? "  -  " : (std::to_string(median(ghz)).substr(0, 4) + " GHz").c_str(),
-         fewest, most);
+  double m[kColumns];
+  for (int k = 0; k < kColumns; ++k) m[k] = median(col[k]);
+  printf("    %-8s pace %4d: wait %4.2f / %4.2f  own first full %4.2f / %4.2f  first full %4.2f / %4.2f  exit %5.2f / "
+         "%5.2f / %5.2f  last exit's wait %4.2f, own first full %4.2f  gap %4.2f us  clock %s  chunks %d-%d\n",
+         deal_name(c.deal), c.pace_cycles, m[kWaitMid], m[kWaitLast], m[kOwnMid], m[kOwnLast], m[kFullMid],
+         m[kFullLast], m[kExitFirst], m[kExitMid], m[kExitLast], m[kEndWait], m[kEndOwn], m[kGap],
+         ghz.empty() ? "  -  " : (std::to_string(median(ghz)).substr(0, 4) + " GHz").c_str(), fewest, most);
 }
 
 }  // namespace
@@ -455,8 +463,9 @@ int main(int argc, char **argv) {
 
   /* Where the time goes in those: one stamped replay each (the stamps' stores cost a little). */
   printf("\n%s, 4 stages of 16 KB, start 2000, one stamped replay; us from the launch's first wait, medians over its "
-         "launches:\n    first full stage: median / last CTA; exit: first / median / last CTA; gap: the previous launch's "
-         "last exit to this one's first wait\n", sizes[0].name);
+         "launches:\n    a CTA's wait, its first full stage after its own wait, its first full stage: median / last CTA; "
+         "exit: first / median / last CTA;\n    the CTA that exits last: its wait and own first full stage; gap: the "
+         "previous launch's last exit to this one's first wait\n", sizes[0].name);
   for (Deal deal : {Deal::kSliced, Deal::kStrided, Deal::kClaimed})
     for (int pace : {0, 720})
       print_timeline(Case{0, 4, Follow::kWait, 1, false, 16384, 1, 2000, pace, deal, 0}, b, b1);
