@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
-                    random_mxfp4_layer, routed_ids, write_json)
+                    random_mxfp4_layer, refuse_study_over_record, routed_ids, write_json)
 
 SHAPES = {
     "k3-tp8": dict(H=3584, I=384, E=384, top_k=16, hidden_scale="floor"),
@@ -107,15 +107,12 @@ def main():
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
-    if args.rounds > 1 and os.path.abspath(args.out) == record:
-        ap.error("--rounds: give --out (a study must not replace the record)")
+    refuse_study_over_record(ap, "--rounds", args.rounds > 1, args.out, record)
     if args.warmup_ms < 0:
         ap.error("--warmup-ms: at least 0")
-    if args.warmup_ms > 0 and os.path.abspath(args.out) == record:
-        ap.error("--warmup-ms: give --out (a study must not replace the record)")
+    refuse_study_over_record(ap, "--warmup-ms", args.warmup_ms > 0, args.out, record)
     if args.batches:
-        if os.path.abspath(args.out) == record:
-            ap.error("--batches: give --out (a study must not replace the record)")
+        refuse_study_over_record(ap, "--batches", True, args.out, record)
         if not all(b.isdigit() and int(b) >= 1 for b in args.batches.split(",")):
             ap.error("--batches: B values >= 1, comma-separated")
 

@@ -26,7 +26,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_replay_time_us, measure_hbm_read_bandwidth, print_table, write_json  # noqa: E402
+from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
+                    refuse_study_over_record, write_json)
 
 SHAPES = [(1024, 7168), (4096, 7168), (7168, 2048)]
 MS = [1, 4, 8, 16, 32, 64]
@@ -195,8 +196,7 @@ def main():
     args = parser.parse_args()
     if args.warmup_ms < 0:
         parser.error("--warmup-ms: at least 0")
-    if args.warmup_ms > 0 and os.path.abspath(args.out) == record:
-        parser.error("--warmup-ms: give --out (a study must not replace the record)")
+    refuse_study_over_record(parser, "--warmup-ms", args.warmup_ms > 0, args.out, record)
 
     import torch
     import kimi_experts as kx

@@ -159,6 +159,13 @@ def routed_ids(torch, generator, batch: int, top_k: int, experts: int):
                         for _ in range(batch)]).to(torch.int32)
 
 
+def refuse_study_over_record(parser, option: str, given: bool, out: str, record: str) -> None:
+    """Ends the run through ``parser.error`` when a study ``option`` was given and ``out`` is the
+    record's path: a study's figures must not replace the record."""
+    if given and os.path.abspath(out) == record:
+        parser.error(f"{option}: give --out (a study must not replace the record)")
+
+
 def write_json(path: str, rows: Sequence[Mapping], command: str | None = None, **meta) -> None:
     """Write ``{"date", "git_commit", "source_digest", "command", "gpu", **meta, "rows"}`` to
     ``path``."""
