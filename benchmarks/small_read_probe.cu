@@ -220,10 +220,9 @@ struct Case {
   int ctas_per_sm, in_flight; /* ctas_per_sm 0: the bulk-copy ring, in_flight its stages */
   Follow follow;
   int rounds;
-  bool sliced;                            /* the loads' pattern */
+  Deal deal;                              /* the loads': sliced or strided; the ring's: any */
   int chunk;                              /* the ring's bytes a copy */
   int cluster, start_cycles, pace_cycles; /* the ring's cluster size and spins */
-  Deal deal;                              /* the ring's */
   int first_wave;                         /* the ring's (RingArgs) */
 };
 
@@ -232,40 +231,41 @@ struct Result {
   float us;
 };
 
+/* A launch that follows the previous one as `follow` says, in clusters of `cluster` CTAs (1: none).
+ * Built in place: cfg points at attr. */
+struct ChainedLaunch {
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = {};
+  ChainedLaunch(Follow follow, unsigned grid, unsigned threads, size_t smem, int cluster, cudaStream_t s) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = follow == Follow::kSerial ? 0 : 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = (unsigned)cluster;
+    attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = cluster > 1 ? 2 : 1;
+  }
+  ChainedLaunch(const ChainedLaunch &) = delete;
+};
+
 void launch_ring(const Case &c, int sms, const uint8_t *data, int64_t bytes, uint32_t *sink, unsigned *tickets,
                  RingStamps *stamps, cudaStream_t s, const int *experts = nullptr, int expert_chunks = 0) {
-  cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = c.follow == Follow::kSerial ? 0 : 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = (unsigned)c.cluster;
-  attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(sms / c.cluster * c.cluster));
-  cfg.blockDim = dim3(kRingThreads);
-  cfg.dynamicSmemBytes = kRingSmem;
-  cfg.stream = s;
-  cfg.attrs = attr;
-  cfg.numAttrs = c.cluster > 1 ? 2 : 1;
+  const ChainedLaunch l(c.follow, (unsigned)(sms / c.cluster * c.cluster), kRingThreads, kRingSmem, c.cluster, s);
   const RingArgs a{data,   bytes / c.chunk, c.chunk,       c.in_flight,  sink,    c.follow == Follow::kWait ? 1 : 0,
                    c.deal, c.start_cycles,  c.pace_cycles, c.first_wave, tickets, stamps,
                    experts, expert_chunks};
-  CHECK(cudaLaunchKernelEx(&cfg, chained_ring, a));
+  CHECK(cudaLaunchKernelEx(&l.cfg, chained_ring, a));
 }
 
 template <int kInFlight>
 void launch(const Case &c, int sms, const uint4 *data, int64_t n_vec, uint32_t *sink, cudaStream_t s) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = c.follow == Follow::kSerial ? 0 : 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(c.ctas_per_sm * sms));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = s;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&cfg, chained_read<kInFlight>, data, n_vec, sink, c.follow == Follow::kWait ? 1 : 0,
-                           c.sliced ? 1 : 0));
+  const ChainedLaunch l(c.follow, (unsigned)(c.ctas_per_sm * sms), kThreads, 0, 1, s);
+  CHECK(cudaLaunchKernelEx(&l.cfg, chained_read<kInFlight>, data, n_vec, sink, c.follow == Follow::kWait ? 1 : 0,
+                           c.deal == Deal::kSliced ? 1 : 0));
 }
 
 std::string describe(const Case &c) {
@@ -274,8 +274,7 @@ std::string describe(const Case &c) {
     snprintf(t, sizeof t, "bulk ring, %d stages of %d KB, %s%s", c.in_flight, c.chunk / 1024, deal_name(c.deal),
              c.cluster > 1 ? ", pairs" : "");
   else
-    snprintf(t, sizeof t, "loads, %d CTAs/SM, %d in flight, %s", c.ctas_per_sm, c.in_flight,
-             c.sliced ? "sliced" : "strided");
+    snprintf(t, sizeof t, "loads, %d CTAs/SM, %d in flight, %s", c.ctas_per_sm, c.in_flight, deal_name(c.deal));
   return t;
 }
 
@@ -395,16 +394,16 @@ int main(int argc, char **argv) {
       for (int rounds : {1, 4}) {
         for (int cps : {1, 2, 4})
           for (int inf : {4, 8, 16})
-            for (bool sliced : {false, true}) {
+            for (Deal deal : {Deal::kStrided, Deal::kSliced}) {
               if (quick && (inf == 16 || cps == 1)) continue;
-              const Case c{cps, inf, f, rounds, sliced, 0, 1, 0, 0, Deal::kSliced, 0};
+              const Case c{cps, inf, f, rounds, deal, 0, 1, 0, 0, 0};
               results.push_back({c, time_case(c, b, z.bytes)});
             }
         for (int chunk : {8192, 16384, 32768})
           for (int stages : {4, 8})
             for (Deal deal : {Deal::kStrided, Deal::kSliced}) {
               if (chunk * stages > kRingSmem || (quick && chunk != 16384)) continue;
-              const Case c{0, stages, f, rounds, false, chunk, 1, 0, 0, deal, 0};
+              const Case c{0, stages, f, rounds, deal, chunk, 1, 0, 0, 0};
               results.push_back({c, time_case(c, b, z.bytes)});
             }
       }
@@ -440,7 +439,7 @@ int main(int argc, char **argv) {
         for (int start : {0, 2000})
           for (int pace : {0, 360, 720}) {
             if ((quick || deal == Deal::kClaimed) && (cluster == 2 || stages == 8)) continue;
-            const Case c{0, stages, Follow::kWait, 1, false, 16384, cluster, start, pace, deal, 0};
+            const Case c{0, stages, Follow::kWait, 1, deal, 16384, cluster, start, pace, 0};
             const float us = time_case(c, b, b1);
             printf("    %-7s %6d %5s %6d %6d -> %8.2f %8.3f\n", deal_name(deal), stages, cluster > 1 ? "yes" : "no",
                    start, pace, us, us / b1_floor);
@@ -455,7 +454,7 @@ int main(int argc, char **argv) {
       for (int wave : {1, 2, 4})
         for (int pace : {0, 360, 720}) {
           if ((stages == 4) == (wave == 4)) continue;
-          const Case c{0, stages, Follow::kWait, 1, false, 16384, 1, 2000, pace, deal, wave};
+          const Case c{0, stages, Follow::kWait, 1, deal, 16384, 1, 2000, pace, wave};
           const float us = time_case(c, b, b1);
           printf("    %-7s %6d %5d %6d %6d -> %8.2f %8.3f\n", deal_name(deal), stages, wave, 2000, pace, us,
                  us / b1_floor);
@@ -468,7 +467,7 @@ int main(int argc, char **argv) {
          "previous launch's last exit to this one's first wait\n", sizes[0].name);
   for (Deal deal : {Deal::kSliced, Deal::kStrided, Deal::kClaimed})
     for (int pace : {0, 720})
-      print_timeline(Case{0, 4, Follow::kWait, 1, false, 16384, 1, 2000, pace, deal, 0}, b, b1);
+      print_timeline(Case{0, 4, Follow::kWait, 1, deal, 16384, 1, 2000, pace, 0}, b, b1);
   for (Dev *d : b.bufs) delete d;
 
   /* B = 1's bytes as a layer's 16 routed experts: k3-tp8 layers of 384 experts (2,193,408 bytes each,
@@ -504,7 +503,7 @@ int main(int argc, char **argv) {
   for (int random = 0; random < 2; ++random)
     for (Deal deal : {Deal::kSliced, Deal::kStrided})
       for (int spins = 0; spins < 2; ++spins) {
-        const Case c{0, 4, Follow::kWait, 1, false, kChunk17, 1, spins ? 2000 : 0, spins ? 720 : 0, deal, 0};
+        const Case c{0, 4, Follow::kWait, 1, deal, kChunk17, 1, spins ? 2000 : 0, spins ? 720 : 0, 0};
         const float us = graph_us(b.s, [&] {
           for (int l = 0; l < kBuffers; ++l)
             launch_ring(c, b.sms, layers[l]->as<const uint8_t>(), routed, b.sink, b.tickets, nullptr, b.s,
