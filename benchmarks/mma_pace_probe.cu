@@ -1,0 +1,188 @@
+/* mma_pace_probe.cu: the experts kernel's MMA warps' cycles per chunk with the chunk's data
+ * already in shared memory (no copies, no producer, no waits unless a variant adds them).
+ * Not part of the library build; a study tool (session 43).
+ *
+ * One CTA per SM as in the kernel (24 warps, 16 of them MMA warps, the rest idle), 4 resident
+ * stages of random FP4 words and E8M0 scales and 8 resident rows of x; each MMA warp runs a
+ * one-token FC1 chunk (4 strips x 16 k-blocks, 4 units a warp) 2000 times over the 4 stages and
+ * reports clock64 cycles per chunk (the median over every warp of 5 launches). Variants:
+ *   main            consume_units as the kernel runs it (loads, release, decode + MMA)
+ *   main + waits    the same after an mbar_wait per chunk on a barrier whose phase is complete
+ *   decode = mask   each FP4 word masked once instead of decoded (timing only: wrong values)
+ *   no decode/MMA   the loads and FFMAs kept, decode and MMAs replaced by two XORs (timing only)
+ *   8 MMA warps     8 warps of 8 units each (kStep 2) instead of 16 of 4
+ *   k-major         warp w takes k-block w of all 4 strips: one x fragment a chunk, not four
+ * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
+ * row 0 (a one-token launch's broadcast).
+ *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
+ *        benchmarks/mma_pace_probe.cu kernels/pack.cu kernels/quantize.cu kernels/probe.cu -o /tmp/pace
+ */
+#include "../kernels/experts.cu"
+
+#include <stdio.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace kx {
+namespace {
+
+enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kVariants };
+const char *const kVariantNames[kVariants] = {"main", "main + waits", "decode = mask",
+                                              "no decode/MMA", "8 MMA warps", "k-major"};
+constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
+constexpr int kProbeChunks = 2000;
+
+/* One unit's two MMAs (or their stand-in) into d. */
+template <int kVariant>
+__device__ __forceinline__ void unit_products(uint2 w, uint4 b, float (&d)[4]) {
+  if constexpr (kVariant == kNoMma) {
+    d[0] = __uint_as_float((w.x ^ b.x ^ b.z) & 0x3BFF3BFFu);
+    d[2] = __uint_as_float((w.y ^ b.y ^ b.w) & 0x3BFF3BFFu);
+    return;
+  }
+  uint32_t a_lo[4], a_hi[4];
+  if constexpr (kVariant == kOneMask) {
+    a_lo[0] = a_lo[1] = a_lo[2] = a_lo[3] = w.x & 0x8E008E00u;
+    a_hi[0] = a_hi[1] = a_hi[2] = a_hi[3] = w.y & 0x8E008E00u;
+  } else {
+    decode_fp4x8(w.x, a_lo);
+    decode_fp4x8(w.y, a_hi);
+  }
+  mma_f16(d, a_lo, b.x, b.y);
+  mma_f16(d, a_hi, b.z, b.w);
+}
+
+/* A chunk of 4 units that share `act` (k-major) or step through k (the others), as
+ * consume_units lays out its loads; sums into acc[unit or 0]. */
+template <int kVariant>
+__device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const UnitOffsets &o, uint64_t *empty,
+                                            float (&acc)[4][4]) {
+  constexpr bool kShared = kVariant == kKMajor;
+  constexpr int kWeightStride = kShared ? 16 * kUnitWeightBytes : 4 * kUnitWeightBytes;
+  constexpr int kScaleStride = kShared ? 16 * kUnitScaleBytes : 4 * kUnitScaleBytes;
+  uint2 w[4];
+  uint4 b[4];
+  uint32_t sw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w[j] = lds64(stage + o.weights + j * kWeightStride);
+    if (!kShared || j == 0) b[j] = lds128(x + o.act + j * 4 * kActBlockBytes);
+    sw[j] = lds16(stage + o.scales + j * kScaleStride);
+  }
+  mbar_arrive(empty);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    unit_products<kVariant>(w[j], kShared ? b[0] : b[j], d);
+    float (&sums)[4] = acc[kShared ? j : 0];
+    sums[0] = fmaf(d[0], sw_g, sums[0]);
+    sums[2] = fmaf(d[2], sw_g8, sums[2]);
+  }
+}
+
+template <int kVariant, bool kBroadcastX>
+__global__ void __launch_bounds__(kThreads, 1) pace_kernel(unsigned long long *cycles, float *sink) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
+  uint32_t *words = reinterpret_cast<uint32_t *>(smem);
+  const int stage_words = kStages * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
+  for (int i = threadIdx.x; i < stage_words + x_words; i += blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ blockIdx.x * 97u;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
+  }
+  __shared__ uint64_t empty[kStages], full[kStages];
+  if (threadIdx.x < kStages) {
+    mbar_init(&empty[threadIdx.x], kConsumerThreads);
+    mbar_init(&full[threadIdx.x], 1); /* never arrived: a wait on parity 1 passes at once */
+  }
+  fence_barrier_init();
+  __syncthreads();
+  constexpr bool kHalf = kVariant == kHalfWarps;
+  if (warp >= (kHalf ? kConsumerWarps / 2 : kConsumerWarps)) return;
+  const uint32_t stages = smem_addr(smem), x_local = stages + kStages * kStageBytes;
+  const int x_row = kBroadcastX ? 0 : lane >> 2;
+  /* the kernel's FC1 plan (consumer_plan): strip = warp % 4, k-slot = warp / 4; k-major: k-block = warp */
+  UnitOffsets o = kVariant == kKMajor ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
+                                      : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
+  o.act = x_row * local_x_pitch(kProbeHidden) + (kVariant == kKMajor ? warp : warp >> 2) * kActBlockBytes +
+          16 * (lane & 3);
+  float acc[4][4] = {};
+  __syncwarp();
+  const long long t0 = clock64();
+#pragma unroll 1
+  for (int c = 0; c < kProbeChunks; ++c) {
+    const int s = c & (kStages - 1);
+    const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
+    if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
+    if constexpr (kVariant == kMain || kVariant == kMainWait)
+      consume_units<4, 4, false, true>(stage, x, o, 0, &empty[s], acc[0]);
+    else if constexpr (kHalf)
+      consume_units<8, 2, false, true>(stage, x, o, 0, &empty[s], acc[0]);
+    else
+      probe_chunk<kVariant>(stage, x, o, &empty[s], acc);
+  }
+  const long long t1 = clock64();
+  if (lane == 0) cycles[blockIdx.x * kConsumerWarps + warp] = t1 - t0;
+  float total = 0.0f;
+  for (int j = 0; j < 4; ++j) total += acc[j][0] + acc[j][2];
+  if (total == 1.2345f) sink[threadIdx.x] = total; /* keeps the sums live */
+}
+
+template <int kVariant, bool kBroadcastX>
+double cycles_per_chunk(int grid, size_t smem_bytes, unsigned long long *d_cycles, float *d_sink) {
+  const auto kernel = pace_kernel<kVariant, kBroadcastX>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
+  std::vector<double> per_chunk;
+  std::vector<unsigned long long> h((size_t)grid * kConsumerWarps);
+  for (int rep = 0; rep < 5; ++rep) {
+    cudaMemset(d_cycles, 0, h.size() * sizeof(h[0]));
+    kernel<<<grid, kThreads, smem_bytes>>>(d_cycles, d_sink);
+    cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost);
+    for (unsigned long long v : h)
+      if (v) per_chunk.push_back((double)v / kProbeChunks);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || per_chunk.empty()) {
+    fprintf(stderr, "pace_kernel: %s\n", cudaGetErrorString(err));
+    exit(1);
+  }
+  std::sort(per_chunk.begin(), per_chunk.end());
+  return per_chunk[per_chunk.size() / 2];
+}
+
+template <bool kBroadcastX>
+void measure(int grid, size_t smem_bytes, unsigned long long *d_cycles, float *d_sink, double (&out)[kVariants]) {
+  out[kMain] = cycles_per_chunk<kMain, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+  out[kMainWait] = cycles_per_chunk<kMainWait, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+  out[kOneMask] = cycles_per_chunk<kOneMask, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+  out[kNoMma] = cycles_per_chunk<kNoMma, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+  out[kHalfWarps] = cycles_per_chunk<kHalfWarps, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+  out[kKMajor] = cycles_per_chunk<kKMajor, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+}
+
+}  // namespace
+}  // namespace kx
+
+int main() {
+  using namespace kx;
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread;
+  unsigned long long *d_cycles;
+  float *d_sink;
+  cudaMalloc(&d_cycles, (size_t)sms * kConsumerWarps * sizeof(unsigned long long));
+  cudaMalloc(&d_sink, kThreads * sizeof(float));
+  double rows[kVariants], broadcast[kVariants];
+  measure<false>(sms, smem_bytes, d_cycles, d_sink, rows);
+  measure<true>(sms, smem_bytes, d_cycles, d_sink, broadcast);
+  printf("MMA warps' cycles per one-token FC1 chunk (17 KB), data resident: %d CTAs, %d chunks, median warp\n", sms,
+         kProbeChunks);
+  printf("  %-14s %10s %12s\n", "variant", "x 8 rows", "x broadcast");
+  for (int v = 0; v < kVariants; ++v) printf("  %-14s %10.1f %12.1f\n", kVariantNames[v], rows[v], broadcast[v]);
+  return 0;
+}
