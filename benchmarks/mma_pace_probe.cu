@@ -12,6 +12,9 @@
  *   no decode/MMA   the loads and FFMAs kept, decode and MMAs replaced by two XORs (timing only)
  *   8 MMA warps     8 warps of 8 units each (kStep 2) instead of 16 of 4
  *   k-major         warp w takes k-block w of all 4 strips: one x fragment a chunk, not four
+ *   copies from L2  main fed through the ring as the kernel feeds it: the weight warp's bulk copies
+ *                   (17 KB a stage, full / empty barriers) from 8 chunks every CTA shares (L2-resident)
+ *   copies from HBM the same from 64 chunks of each CTA's own (147 MB in all: the HBM stream's pace)
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast).
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
@@ -27,11 +30,13 @@
 namespace kx {
 namespace {
 
-enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kVariants };
-const char *const kVariantNames[kVariants] = {"main", "main + waits", "decode = mask",
-                                              "no decode/MMA", "8 MMA warps", "k-major"};
+enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm, kVariants };
+const char *const kVariantNames[kVariants] = {"main",        "main + waits", "decode = mask",   "no decode/MMA",
+                                              "8 MMA warps", "k-major",      "copies from L2", "copies from HBM"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
+constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
+constexpr int kSharedSourceChunks = 8, kOwnSourceChunks = 64;
 
 /* One unit's two MMAs (or their stand-in) into d. */
 template <int kVariant>
@@ -83,7 +88,8 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
 }
 
 template <int kVariant, bool kBroadcastX>
-__global__ void __launch_bounds__(kThreads, 1) pace_kernel(unsigned long long *cycles, float *sink) {
+__global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source, unsigned long long *cycles,
+                                                           float *sink) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
@@ -98,11 +104,24 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(unsigned long long *c
   __shared__ uint64_t empty[kStages], full[kStages];
   if (threadIdx.x < kStages) {
     mbar_init(&empty[threadIdx.x], kConsumerThreads);
-    mbar_init(&full[threadIdx.x], 1); /* never arrived: a wait on parity 1 passes at once */
+    mbar_init(&full[threadIdx.x], 1); /* main + waits: never arrived, so a wait on parity 1 passes at once */
   }
   fence_barrier_init();
   __syncthreads();
-  constexpr bool kHalf = kVariant == kHalfWarps;
+  constexpr bool kHalf = kVariant == kHalfWarps, kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm;
+  if (kCopies && warp == kWeightWarp) { /* the kernel's weight producer: one bulk copy a stage */
+    if (lane != 0) return;
+    RingPos pos;
+    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
+      const int chunk = kVariant == kCopiesL2 ? c % kSharedSourceChunks
+                                              : blockIdx.x * kOwnSourceChunks + c % kOwnSourceChunks;
+      mbar_wait(&empty[pos.stage], pos.parity ^ 1);
+      mbar_arrive_expect_tx(&full[pos.stage], kProbeChunkBytes);
+      bulk_copy(smem + pos.stage * kStageBytes, source + (size_t)chunk * kProbeChunkBytes, kProbeChunkBytes,
+                &full[pos.stage]);
+    }
+    return;
+  }
   if (warp >= (kHalf ? kConsumerWarps / 2 : kConsumerWarps)) return;
   const uint32_t stages = smem_addr(smem), x_local = stages + kStages * kStageBytes;
   const int x_row = kBroadcastX ? 0 : lane >> 2;
@@ -114,12 +133,14 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(unsigned long long *c
   float acc[4][4] = {};
   __syncwarp();
   const long long t0 = clock64();
+  const unsigned long long ns0 = global_ns();
 #pragma unroll 1
   for (int c = 0; c < kProbeChunks; ++c) {
     const int s = c & (kStages - 1);
     const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
     if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
-    if constexpr (kVariant == kMain || kVariant == kMainWait)
+    if constexpr (kCopies) mbar_wait(&full[s], (c / kStages) & 1);
+    if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
       consume_units<4, 4, false, true>(stage, x, o, 0, &empty[s], acc[0]);
     else if constexpr (kHalf)
       consume_units<8, 2, false, true>(stage, x, o, 0, &empty[s], acc[0]);
@@ -127,24 +148,35 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(unsigned long long *c
       probe_chunk<kVariant>(stage, x, o, &empty[s], acc);
   }
   const long long t1 = clock64();
-  if (lane == 0) cycles[blockIdx.x * kConsumerWarps + warp] = t1 - t0;
+  const unsigned long long ns1 = global_ns();
+  if (lane == 0) {
+    cycles[2 * (blockIdx.x * kConsumerWarps + warp)] = t1 - t0;
+    cycles[2 * (blockIdx.x * kConsumerWarps + warp) + 1] = ns1 - ns0;
+  }
   float total = 0.0f;
   for (int j = 0; j < 4; ++j) total += acc[j][0] + acc[j][2];
   if (total == 1.2345f) sink[threadIdx.x] = total; /* keeps the sums live */
 }
 
+struct Pace {
+  double cycles, ghz; /* a chunk's cycles and the SM clock, medians over every warp of 5 launches */
+};
+
 template <int kVariant, bool kBroadcastX>
-double cycles_per_chunk(int grid, size_t smem_bytes, unsigned long long *d_cycles, float *d_sink) {
+Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink) {
   const auto kernel = pace_kernel<kVariant, kBroadcastX>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
-  std::vector<double> per_chunk;
-  std::vector<unsigned long long> h((size_t)grid * kConsumerWarps);
+  std::vector<double> per_chunk, ghz;
+  std::vector<unsigned long long> h(2 * (size_t)grid * kConsumerWarps);
   for (int rep = 0; rep < 5; ++rep) {
     cudaMemset(d_cycles, 0, h.size() * sizeof(h[0]));
-    kernel<<<grid, kThreads, smem_bytes>>>(d_cycles, d_sink);
+    kernel<<<grid, kThreads, smem_bytes>>>(source, d_cycles, d_sink);
     cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost);
-    for (unsigned long long v : h)
-      if (v) per_chunk.push_back((double)v / kProbeChunks);
+    for (size_t i = 0; i < h.size(); i += 2)
+      if (h[i]) {
+        per_chunk.push_back((double)h[i] / kProbeChunks);
+        ghz.push_back((double)h[i] / (double)h[i + 1]);
+      }
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || per_chunk.empty()) {
@@ -152,17 +184,21 @@ double cycles_per_chunk(int grid, size_t smem_bytes, unsigned long long *d_cycle
     exit(1);
   }
   std::sort(per_chunk.begin(), per_chunk.end());
-  return per_chunk[per_chunk.size() / 2];
+  std::sort(ghz.begin(), ghz.end());
+  return Pace{per_chunk[per_chunk.size() / 2], ghz[ghz.size() / 2]};
 }
 
 template <bool kBroadcastX>
-void measure(int grid, size_t smem_bytes, unsigned long long *d_cycles, float *d_sink, double (&out)[kVariants]) {
-  out[kMain] = cycles_per_chunk<kMain, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
-  out[kMainWait] = cycles_per_chunk<kMainWait, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
-  out[kOneMask] = cycles_per_chunk<kOneMask, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
-  out[kNoMma] = cycles_per_chunk<kNoMma, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
-  out[kHalfWarps] = cycles_per_chunk<kHalfWarps, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
-  out[kKMajor] = cycles_per_chunk<kKMajor, kBroadcastX>(grid, smem_bytes, d_cycles, d_sink);
+void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
+             Pace (&out)[kVariants]) {
+  out[kMain] = pace<kMain, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kMainWait] = pace<kMainWait, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kOneMask] = pace<kOneMask, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kNoMma] = pace<kNoMma, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kHalfWarps] = pace<kHalfWarps, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kKMajor] = pace<kKMajor, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kCopiesL2] = pace<kCopiesL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kCopiesHbm] = pace<kCopiesHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
 }
 
 }  // namespace
@@ -175,14 +211,21 @@ int main() {
   const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread;
   unsigned long long *d_cycles;
   float *d_sink;
-  cudaMalloc(&d_cycles, (size_t)sms * kConsumerWarps * sizeof(unsigned long long));
+  cudaMalloc(&d_cycles, 2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long));
   cudaMalloc(&d_sink, kThreads * sizeof(float));
-  double rows[kVariants], broadcast[kVariants];
-  measure<false>(sms, smem_bytes, d_cycles, d_sink, rows);
-  measure<true>(sms, smem_bytes, d_cycles, d_sink, broadcast);
-  printf("MMA warps' cycles per one-token FC1 chunk (17 KB), data resident: %d CTAs, %d chunks, median warp\n", sms,
+  /* the copies' source: 0x35 bytes are valid FP4 pairs (3 and 5) and scales (2^-74) */
+  const size_t source_bytes = (size_t)sms * kOwnSourceChunks * kProbeChunkBytes;
+  uint8_t *source;
+  cudaMalloc(&source, source_bytes);
+  cudaMemset(source, 0x35, source_bytes);
+  Pace rows[kVariants], broadcast[kVariants];
+  measure<false>(sms, smem_bytes, source, d_cycles, d_sink, rows);
+  measure<true>(sms, smem_bytes, source, d_cycles, d_sink, broadcast);
+  printf("MMA warps' cycles per one-token FC1 chunk (17 KB): %d CTAs, %d chunks, median warp (SM clock, GHz)\n", sms,
          kProbeChunks);
-  printf("  %-14s %10s %12s\n", "variant", "x 8 rows", "x broadcast");
-  for (int v = 0; v < kVariants; ++v) printf("  %-14s %10.1f %12.1f\n", kVariantNames[v], rows[v], broadcast[v]);
+  printf("  %-16s %16s %16s\n", "variant", "x 8 rows", "x broadcast");
+  for (int v = 0; v < kVariants; ++v)
+    printf("  %-16s %9.1f (%4.2f) %9.1f (%4.2f)\n", kVariantNames[v], rows[v].cycles, rows[v].ghz, broadcast[v].cycles,
+           broadcast[v].ghz);
   return 0;
 }
