@@ -15,6 +15,9 @@
  *   copies from L2  main fed through the ring as the kernel feeds it: the weight warp's bulk copies
  *                   (17 KB a stage, full / empty barriers) from 8 chunks every CTA shares (L2-resident)
  *   copies from HBM the same from 64 chunks of each CTA's own (147 MB in all: the HBM stream's pace)
+ *   wide from HBM   the loop of launches of several tokens fed the same way: every MMA column summed and x's
+ *                   8 token rows copied into each stage by an activation warp (a 1 KB copy a row, as
+ *                   copy_activations does) from L2-resident rows
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast).
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
@@ -30,9 +33,10 @@
 namespace kx {
 namespace {
 
-enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm, kVariants };
-const char *const kVariantNames[kVariants] = {"main",        "main + waits", "decode = mask",   "no decode/MMA",
-                                              "8 MMA warps", "k-major",      "copies from L2", "copies from HBM"};
+enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm, kWideHbm, kVariants };
+const char *const kVariantNames[kVariants] = {"main",           "main + waits",    "decode = mask",
+                                              "no decode/MMA",  "8 MMA warps",     "k-major",
+                                              "copies from L2", "copies from HBM", "wide from HBM"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
@@ -101,14 +105,31 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     h *= 0x5bd1e995u;
     words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
   }
+  constexpr int kWideFull = kVariant == kWideHbm ? 2 : 1;
   __shared__ uint64_t empty[kStages], full[kStages];
   if (threadIdx.x < kStages) {
     mbar_init(&empty[threadIdx.x], kConsumerThreads);
-    mbar_init(&full[threadIdx.x], 1); /* main + waits: never arrived, so a wait on parity 1 passes at once */
+    /* main + waits: never arrived, so a wait on parity 1 passes at once; wide: the activation warp arrives too */
+    mbar_init(&full[threadIdx.x], kWideFull);
   }
   fence_barrier_init();
   __syncthreads();
-  constexpr bool kHalf = kVariant == kHalfWarps, kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm;
+  constexpr bool kHalf = kVariant == kHalfWarps, kWide = kVariant == kWideHbm;
+  constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kWide;
+  constexpr int kActBytes = kFc1ChunkKb * kActBlockBytes; /* a token row of one chunk */
+  if (kWide && warp == kActivationWarp) { /* the activation producer: a stage's 8 token rows */
+    RingPos pos;
+    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
+      mbar_wait(&empty[pos.stage], pos.parity ^ 1);
+      if (lane == 0) mbar_arrive_expect_tx(&full[pos.stage], kGroupTokens * kActBytes);
+      __syncwarp(); /* the bytes are expected before any can land */
+      if (lane < kGroupTokens)
+        bulk_copy(smem + pos.stage * kStageBytes + kStageActOffset + lane * kActRowBytes,
+                  source + (size_t)(lane * kOwnSourceChunks + c % kOwnSourceChunks) * kActBytes, kActBytes,
+                  &full[pos.stage]);
+    }
+    return;
+  }
   if (kCopies && warp == kWeightWarp) { /* the kernel's weight producer: one bulk copy a stage */
     if (lane != 0) return;
     RingPos pos;
@@ -130,6 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
                                       : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
   o.act = x_row * local_x_pitch(kProbeHidden) + (kVariant == kKMajor ? warp : warp >> 2) * kActBlockBytes +
           16 * (lane & 3);
+  if (kWide) o = unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes); /* x in the stage */
   float acc[4][4] = {};
   __syncwarp();
   const long long t0 = clock64();
@@ -140,7 +162,9 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
     if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
     if constexpr (kCopies) mbar_wait(&full[s], (c / kStages) & 1);
-    if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
+    if constexpr (kWide)
+      consume_units<4, 4, false, false>(stage, stage, o, 0, &empty[s], acc[0]);
+    else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
       consume_units<4, 4, false, true>(stage, x, o, 0, &empty[s], acc[0]);
     else if constexpr (kHalf)
       consume_units<8, 2, false, true>(stage, x, o, 0, &empty[s], acc[0]);
@@ -199,6 +223,7 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
   out[kKMajor] = pace<kKMajor, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
   out[kCopiesL2] = pace<kCopiesL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
   out[kCopiesHbm] = pace<kCopiesHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideHbm] = pace<kWideHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
 }
 
 }  // namespace
