@@ -1,11 +1,12 @@
 /* mma_pace_probe.cu: the experts kernel's MMA warps' cycles per chunk with the chunk's data
- * already in shared memory (no copies, no producer, no waits unless a variant adds them).
- * Not part of the library build; a study tool (session 43).
+ * already in shared memory (no copies, no producer, no waits unless a variant adds them), or fed
+ * through the kernel's kind of ring. Not part of the library build; a study tool (session 43).
  *
- * One CTA per SM as in the kernel (24 warps, 16 of them MMA warps, the rest idle), 4 resident
- * stages of random FP4 words and E8M0 scales and 8 resident rows of x; each MMA warp runs a
- * one-token FC1 chunk (4 strips x 16 k-blocks, 4 units a warp) 2000 times over the 4 stages and
- * reports clock64 cycles per chunk (the median over every warp of 5 launches). Variants:
+ * One CTA per SM as in the kernel (24 warps, 16 of them MMA warps, the others idle unless a
+ * variant makes two of them producers), 4 stages of random FP4 words and E8M0 scales and 8 rows of
+ * x; each MMA warp runs an FC1 chunk (4 strips x 16 k-blocks, 4 units a warp) 2000 times over the
+ * 4 stages and reports clock64 cycles per chunk and the SM clock (cycles over globaltimer), the
+ * medians over every warp of 5 launches. The one-token loop unless "wide". Variants:
  *   main            consume_units as the kernel runs it (loads, release, decode + MMA)
  *   main + waits    the same after an mbar_wait per chunk on a barrier whose phase is complete
  *   decode = mask   each FP4 word masked once instead of decoded (timing only: wrong values)
@@ -18,6 +19,12 @@
  *   wide from HBM   the loop of launches of several tokens fed the same way: every MMA column summed and x's
  *                   8 token rows copied into each stage by an activation warp (a 1 KB copy a row, as
  *                   copy_activations does) from L2-resident rows
+ *   wide from L2    the same with the weights from L2 too (the wide loop's own pace, fed as in the kernel)
+ *   wide, 1 scale load  wide from L2 with a warp's 4 scale pairs as one 8-byte load a lane, as if the packer
+ *                   kept them together (timing only: the scales read are other bytes)
+ *   wide, k-major   wide from L2, warp w taking k-block w of all 4 strips (one x fragment a chunk)
+ *   wide, no x copy wide from L2 with the stages' x rows left as they are (no activation warp)
+ *   wide, 2 columns wide from L2 summing MMA columns 0 and 2 only, as a one-token launch does
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast).
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
@@ -33,10 +40,14 @@
 namespace kx {
 namespace {
 
-enum Variant { kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm, kWideHbm, kVariants };
-const char *const kVariantNames[kVariants] = {"main",           "main + waits",    "decode = mask",
-                                              "no decode/MMA",  "8 MMA warps",     "k-major",
-                                              "copies from L2", "copies from HBM", "wide from HBM"};
+enum Variant {
+  kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
+  kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kVariants
+};
+const char *const kVariantNames[kVariants] = {
+    "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
+    "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
+    "wide, no x copy", "wide, 2 columns"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
@@ -63,11 +74,11 @@ __device__ __forceinline__ void unit_products(uint2 w, uint4 b, float (&d)[4]) {
 }
 
 /* A chunk of 4 units that share `act` (k-major) or step through k (the others), as
- * consume_units lays out its loads; sums into acc[unit or 0]. */
-template <int kVariant>
+ * consume_units lays out its loads; sums into acc[unit or 0], every MMA column where kAllColumns.
+ * kScales64: the 4 units' scale pairs as one 8-byte load a lane. */
+template <int kVariant, bool kShared, bool kScales64, bool kAllColumns>
 __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const UnitOffsets &o, uint64_t *empty,
                                             float (&acc)[4][4]) {
-  constexpr bool kShared = kVariant == kKMajor;
   constexpr int kWeightStride = kShared ? 16 * kUnitWeightBytes : 4 * kUnitWeightBytes;
   constexpr int kScaleStride = kShared ? 16 * kUnitScaleBytes : 4 * kUnitScaleBytes;
   uint2 w[4];
@@ -77,7 +88,14 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
   for (int j = 0; j < 4; ++j) {
     w[j] = lds64(stage + o.weights + j * kWeightStride);
     if (!kShared || j == 0) b[j] = lds128(x + o.act + j * 4 * kActBlockBytes);
-    sw[j] = lds16(stage + o.scales + j * kScaleStride);
+    if (!kScales64) sw[j] = lds16(stage + o.scales + j * kScaleStride);
+  }
+  if (kScales64) {
+    const uint2 pairs = lds64(stage + o.scales - 2 * ((threadIdx.x >> 2) & 7) + 8 * ((threadIdx.x >> 2) & 7));
+    sw[0] = pairs.x & 0xFFFFu;
+    sw[1] = pairs.x >> 16;
+    sw[2] = pairs.y & 0xFFFFu;
+    sw[3] = pairs.y >> 16;
   }
   mbar_arrive(empty);
 #pragma unroll
@@ -88,6 +106,10 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
     float (&sums)[4] = acc[kShared ? j : 0];
     sums[0] = fmaf(d[0], sw_g, sums[0]);
     sums[2] = fmaf(d[2], sw_g8, sums[2]);
+    if (kAllColumns) {
+      sums[1] = fmaf(d[1], sw_g, sums[1]);
+      sums[3] = fmaf(d[3], sw_g8, sums[3]);
+    }
   }
 }
 
@@ -96,6 +118,12 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
                                                            float *sink) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr bool kHalf = kVariant == kHalfWarps;
+  constexpr bool kWide = kVariant == kWideHbm || kVariant == kWideL2 || kVariant == kWideScales ||
+                         kVariant == kWideKMajor || kVariant == kWideNoX || kVariant == kWideTwoCols;
+  constexpr bool kXCopies = kWide && kVariant != kWideNoX;
+  constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kWide;
+  constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && kVariant != kWideHbm);
   /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
   uint32_t *words = reinterpret_cast<uint32_t *>(smem);
   const int stage_words = kStages * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
@@ -105,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     h *= 0x5bd1e995u;
     words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
   }
-  constexpr int kWideFull = kVariant == kWideHbm ? 2 : 1;
+  constexpr int kWideFull = kXCopies ? 2 : 1;
   __shared__ uint64_t empty[kStages], full[kStages];
   if (threadIdx.x < kStages) {
     mbar_init(&empty[threadIdx.x], kConsumerThreads);
@@ -114,10 +142,8 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   }
   fence_barrier_init();
   __syncthreads();
-  constexpr bool kHalf = kVariant == kHalfWarps, kWide = kVariant == kWideHbm;
-  constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kWide;
   constexpr int kActBytes = kFc1ChunkKb * kActBlockBytes; /* a token row of one chunk */
-  if (kWide && warp == kActivationWarp) { /* the activation producer: a stage's 8 token rows */
+  if (kXCopies && warp == kActivationWarp) { /* the activation producer: a stage's 8 token rows */
     RingPos pos;
     for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
       mbar_wait(&empty[pos.stage], pos.parity ^ 1);
@@ -134,8 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     if (lane != 0) return;
     RingPos pos;
     for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
-      const int chunk = kVariant == kCopiesL2 ? c % kSharedSourceChunks
-                                              : blockIdx.x * kOwnSourceChunks + c % kOwnSourceChunks;
+      const int chunk = kFromL2 ? c % kSharedSourceChunks : blockIdx.x * kOwnSourceChunks + c % kOwnSourceChunks;
       mbar_wait(&empty[pos.stage], pos.parity ^ 1);
       mbar_arrive_expect_tx(&full[pos.stage], kProbeChunkBytes);
       bulk_copy(smem + pos.stage * kStageBytes, source + (size_t)chunk * kProbeChunkBytes, kProbeChunkBytes,
@@ -151,7 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
                                       : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
   o.act = x_row * local_x_pitch(kProbeHidden) + (kVariant == kKMajor ? warp : warp >> 2) * kActBlockBytes +
           16 * (lane & 3);
-  if (kWide) o = unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes); /* x in the stage */
+  if (kWide) /* x in the stage */
+    o = kVariant == kWideKMajor ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
+                                : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
   float acc[4][4] = {};
   __syncwarp();
   const long long t0 = clock64();
@@ -162,14 +189,16 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
     if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
     if constexpr (kCopies) mbar_wait(&full[s], (c / kStages) & 1);
-    if constexpr (kWide)
-      consume_units<4, 4, false, false>(stage, stage, o, 0, &empty[s], acc[0]);
+    if constexpr (kVariant == kWideScales || kVariant == kWideKMajor)
+      probe_chunk<kMain, kVariant == kWideKMajor, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
+    else if constexpr (kWide)
+      consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, &empty[s], acc[0]);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
       consume_units<4, 4, false, true>(stage, x, o, 0, &empty[s], acc[0]);
     else if constexpr (kHalf)
       consume_units<8, 2, false, true>(stage, x, o, 0, &empty[s], acc[0]);
     else
-      probe_chunk<kVariant>(stage, x, o, &empty[s], acc);
+      probe_chunk<kVariant, kVariant == kKMajor, false, false>(stage, x, o, &empty[s], acc);
   }
   const long long t1 = clock64();
   const unsigned long long ns1 = global_ns();
@@ -224,6 +253,11 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
   out[kCopiesL2] = pace<kCopiesL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
   out[kCopiesHbm] = pace<kCopiesHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
   out[kWideHbm] = pace<kWideHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideL2] = pace<kWideL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideScales] = pace<kWideScales, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideKMajor] = pace<kWideKMajor, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideNoX] = pace<kWideNoX, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+  out[kWideTwoCols] = pace<kWideTwoCols, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
 }
 
 }  // namespace
@@ -246,7 +280,7 @@ int main() {
   Pace rows[kVariants], broadcast[kVariants];
   measure<false>(sms, smem_bytes, source, d_cycles, d_sink, rows);
   measure<true>(sms, smem_bytes, source, d_cycles, d_sink, broadcast);
-  printf("MMA warps' cycles per one-token FC1 chunk (17 KB): %d CTAs, %d chunks, median warp (SM clock, GHz)\n", sms,
+  printf("MMA warps' cycles per FC1 chunk (17 KB): %d CTAs, %d chunks, median warp (SM clock, GHz)\n", sms,
          kProbeChunks);
   printf("  %-16s %16s %16s\n", "variant", "x 8 rows", "x broadcast");
   for (int v = 0; v < kVariants; ++v)
