@@ -91,7 +91,8 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
     if (!kScales64) sw[j] = lds16(stage + o.scales + j * kScaleStride);
   }
   if (kScales64) {
-    const uint2 pairs = lds64(stage + o.scales - 2 * ((threadIdx.x >> 2) & 7) + 8 * ((threadIdx.x >> 2) & 7));
+    /* 8 bytes at 8 g past the unit's scale block (o.scales is 2 g past it) */
+    const uint2 pairs = lds64(stage + o.scales + 6 * ((threadIdx.x >> 2) & 7));
     sw[0] = pairs.x & 0xFFFFu;
     sw[1] = pairs.x >> 16;
     sw[2] = pairs.y & 0xFFFFu;
@@ -133,12 +134,12 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     h *= 0x5bd1e995u;
     words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
   }
-  constexpr int kWideFull = kXCopies ? 2 : 1;
+  constexpr int kFullArrivals = kXCopies ? 2 : 1;
   __shared__ uint64_t empty[kStages], full[kStages];
   if (threadIdx.x < kStages) {
     mbar_init(&empty[threadIdx.x], kConsumerThreads);
     /* main + waits: never arrived, so a wait on parity 1 passes at once; wide: the activation warp arrives too */
-    mbar_init(&full[threadIdx.x], kWideFull);
+    mbar_init(&full[threadIdx.x], kFullArrivals);
   }
   fence_barrier_init();
   __syncthreads();
