@@ -34,8 +34,10 @@
 
 #include <stdio.h>
 
-#include <algorithm>
+#include <utility>
 #include <vector>
+
+#include "harness.cuh"
 
 namespace kx {
 namespace {
@@ -219,46 +221,32 @@ struct Pace {
 template <int kVariant, bool kBroadcastX>
 Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink) {
   const auto kernel = pace_kernel<kVariant, kBroadcastX>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes);
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
   std::vector<double> per_chunk, ghz;
   std::vector<unsigned long long> h(2 * (size_t)grid * kConsumerWarps);
   for (int rep = 0; rep < 5; ++rep) {
-    cudaMemset(d_cycles, 0, h.size() * sizeof(h[0]));
+    CHECK(cudaMemset(d_cycles, 0, h.size() * sizeof(h[0])));
     kernel<<<grid, kThreads, smem_bytes>>>(source, d_cycles, d_sink);
-    cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost);
+    CHECK(cudaGetLastError());
+    CHECK(cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < h.size(); i += 2)
       if (h[i]) {
         per_chunk.push_back((double)h[i] / kProbeChunks);
         ghz.push_back((double)h[i] / (double)h[i + 1]);
       }
   }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || per_chunk.empty()) {
-    fprintf(stderr, "pace_kernel: %s\n", cudaGetErrorString(err));
+  if (per_chunk.empty()) {
+    fprintf(stderr, "pace_kernel: no warp reported\n");
     exit(1);
   }
-  std::sort(per_chunk.begin(), per_chunk.end());
-  std::sort(ghz.begin(), ghz.end());
-  return Pace{per_chunk[per_chunk.size() / 2], ghz[ghz.size() / 2]};
+  return Pace{median(per_chunk), median(ghz)};
 }
 
-template <bool kBroadcastX>
+/* Every variant, in the order of Variant. */
+template <bool kBroadcastX, int... kVariant>
 void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
-             Pace (&out)[kVariants]) {
-  out[kMain] = pace<kMain, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kMainWait] = pace<kMainWait, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kOneMask] = pace<kOneMask, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kNoMma] = pace<kNoMma, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kHalfWarps] = pace<kHalfWarps, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kKMajor] = pace<kKMajor, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kCopiesL2] = pace<kCopiesL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kCopiesHbm] = pace<kCopiesHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideHbm] = pace<kWideHbm, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideL2] = pace<kWideL2, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideScales] = pace<kWideScales, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideKMajor] = pace<kWideKMajor, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideNoX] = pace<kWideNoX, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
-  out[kWideTwoCols] = pace<kWideTwoCols, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink);
+             Pace (&out)[kVariants], std::integer_sequence<int, kVariant...>) {
+  ((out[kVariant] = pace<kVariant, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink)), ...);
 }
 
 }  // namespace
@@ -267,20 +255,19 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
 int main() {
   using namespace kx;
   int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread;
-  unsigned long long *d_cycles;
-  float *d_sink;
-  cudaMalloc(&d_cycles, 2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long));
-  cudaMalloc(&d_sink, kThreads * sizeof(float));
+  Dev cycles(2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long)), sink(kThreads * sizeof(float));
   /* the copies' source: 0x35 bytes are valid FP4 pairs (3 and 5) and scales (2^-74) */
   const size_t source_bytes = (size_t)sms * kOwnSourceChunks * kProbeChunkBytes;
-  uint8_t *source;
-  cudaMalloc(&source, source_bytes);
-  cudaMemset(source, 0x35, source_bytes);
+  Dev source(source_bytes);
+  CHECK(cudaMemset(source.p, 0x35, source_bytes));
+  const auto variants = std::make_integer_sequence<int, kVariants>();
   Pace rows[kVariants], broadcast[kVariants];
-  measure<false>(sms, smem_bytes, source, d_cycles, d_sink, rows);
-  measure<true>(sms, smem_bytes, source, d_cycles, d_sink, broadcast);
+  measure<false>(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>(), rows,
+                 variants);
+  measure<true>(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>(), broadcast,
+                variants);
   printf("MMA warps' cycles per FC1 chunk (17 KB): %d CTAs, %d chunks, median warp (SM clock, GHz)\n", sms,
          kProbeChunks);
   printf("  %-16s %16s %16s\n", "variant", "x 8 rows", "x broadcast");
