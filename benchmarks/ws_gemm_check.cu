@@ -50,6 +50,21 @@ static uint16_t f2bf(float f) { /* round to nearest even (finite inputs) */
 
 static int failures = 0;
 
+/* The arguments of a GEMM of x [m, k] (row stride x_row_stride) by w [n, k]; outputs are the caller's. */
+static kx_gemm_args gemm_args(const kx_gemm_config &cfg, const uint16_t *w, int n, int k, const uint16_t *x,
+                              int64_t x_row_stride, int m) {
+  kx_gemm_args a;
+  memset(&a, 0, sizeof(a));
+  a.config = cfg;
+  a.w = w;
+  a.n = n;
+  a.k = k;
+  a.x = x;
+  a.x_row_stride = x_row_stride;
+  a.m = m;
+  return a;
+}
+
 /* ---- correctness --------------------------------------------------------------------- */
 /* force_tile / force_cluster (0: kx_gemm_configure's choice) run a configuration the heuristic
  * may never pick on this GPU, so that every kernel instantiation is checked. */
@@ -85,15 +100,7 @@ static void check_case(int n, int k, int m, bool split, uint32_t seed, int force
   CHECK(cudaMemset(dl.p, 0xEE, (size_t)m * ys * 4 + 16));
 
   const int valid = split ? n / 3 : 0, splitc = split ? n / 2 : 0;
-  kx_gemm_args a;
-  memset(&a, 0, sizeof(a));
-  a.config = cfg;
-  a.w = dw.as<uint16_t>();
-  a.n = n;
-  a.k = k;
-  a.x = dx.as<uint16_t>();
-  a.x_row_stride = xs;
-  a.m = m;
+  kx_gemm_args a = gemm_args(cfg, dw.as<uint16_t>(), n, k, dx.as<uint16_t>(), xs, m);
   a.split_epilogue = split;
   if (!split) {
     a.y = dy.as<uint16_t>();
@@ -187,15 +194,7 @@ static void check_invariance(int n, int k) {
   CHECK(cudaMemcpy(dw.p, w.data(), w.size() * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   auto run = [&](int m, int row0) {
-    kx_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.config = cfg;
-    a.w = dw.as<uint16_t>();
-    a.n = n;
-    a.k = k;
-    a.x = dx.as<uint16_t>() + (size_t)row0 * k;
-    a.x_row_stride = k;
-    a.m = m;
+    kx_gemm_args a = gemm_args(cfg, dw.as<uint16_t>(), n, k, dx.as<uint16_t>() + (size_t)row0 * k, k, m);
     a.y = dy.as<uint16_t>();
     a.y_row_stride = n;
     CHECK(kx_gemm_run(&a, 0));
@@ -247,16 +246,8 @@ struct GemmSet { /* 8 copies of W [n, k], x [64, k], y [64, n] each */
     delete y;
   }
   void run(int i, int m, cudaStream_t s, int pdl) {
-    kx_gemm_args a;
-    memset(&a, 0, sizeof(a));
-    a.config = cfg;
+    kx_gemm_args a = gemm_args(cfg, w[i % w.size()]->as<uint16_t>(), n, k, x->as<uint16_t>(), k, m);
     a.config.pdl = pdl;
-    a.w = w[i % w.size()]->as<uint16_t>();
-    a.n = n;
-    a.k = k;
-    a.x = x->as<uint16_t>();
-    a.x_row_stride = k;
-    a.m = m;
     a.y = y->as<uint16_t>() + (size_t)(i % w.size()) * 64 * n;
     a.y_row_stride = n;
     CHECK(kx_gemm_run(&a, s));

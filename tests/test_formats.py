@@ -39,10 +39,10 @@ def nonfinite_block_mask(x: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(xf)).reshape(*xf.shape[:-1], xf.shape[-1] // 32, 32).any(-1)
 
 
-def assert_mxfp8_equal(kx, ref, x, mode, what):
-    q, s = kx.quantize_mxfp8(x, scale=mode)
-    q, s = as_torch(q), as_torch(s)
-    rq, rs = ref.quantize_mxfp8(as_torch(x), mode)
+def assert_same_layout_and_scales(got, want, what):
+    """got, want: (codes, scales) pairs. Both uint8 of one shape, the scales bit-exact."""
+    q, s = (as_torch(t) for t in got)
+    rq, rs = want
     assert q.dtype == torch.uint8 and s.dtype == torch.uint8, what
     assert tuple(q.shape) == tuple(rq.shape), f"{what}: q shape {list(q.shape)} != {list(rq.shape)}"
     assert tuple(s.shape) == tuple(rs.shape), f"{what}: scale shape {list(s.shape)} != {list(rs.shape)}"
@@ -50,6 +50,12 @@ def assert_mxfp8_equal(kx, ref, x, mode, what):
     assert bad_s.numel() == 0, (
         f"{what}: {len(bad_s)} scale bytes differ; first at {bad_s[0].tolist()}: "
         f"got {s[tuple(bad_s[0])].item():#04x}, want {rs[tuple(bad_s[0])].item():#04x}")
+    return q, s, rq, rs
+
+
+def assert_mxfp8_equal(kx, ref, x, mode, what):
+    q, s, rq, rs = assert_same_layout_and_scales(
+        kx.quantize_mxfp8(x, scale=mode), ref.quantize_mxfp8(as_torch(x), mode), what)
     # Non-finite blocks: scale 0xFF (checked above) and every element an e4m3 NaN (the
     # NaN's sign bit is not specified); all other elements bit-exact.
     nf = nonfinite_block_mask(as_torch(x)).repeat_interleave(32, -1)
@@ -66,16 +72,7 @@ def assert_mxfp8_equal(kx, ref, x, mode, what):
 
 
 def assert_mxfp4_equal(kx, ref, w, what):
-    q, s = kx.quantize_mxfp4(w)
-    q, s = as_torch(q), as_torch(s)
-    rq, rs = ref.quantize_mxfp4(as_torch(w))
-    assert q.dtype == torch.uint8 and s.dtype == torch.uint8, what
-    assert tuple(q.shape) == tuple(rq.shape), f"{what}: q shape {list(q.shape)} != {list(rq.shape)}"
-    assert tuple(s.shape) == tuple(rs.shape), f"{what}: scale shape {list(s.shape)} != {list(rs.shape)}"
-    bad_s = torch.nonzero(s != rs)
-    assert bad_s.numel() == 0, (
-        f"{what}: {len(bad_s)} scale bytes differ; first at {bad_s[0].tolist()}: "
-        f"got {s[tuple(bad_s[0])].item():#04x}, want {rs[tuple(bad_s[0])].item():#04x}")
+    q, s, rq, rs = assert_same_layout_and_scales(kx.quantize_mxfp4(w), ref.quantize_mxfp4(as_torch(w)), what)
     bad = torch.nonzero(q != rq)
     if bad.numel():
         i = tuple(bad[0])

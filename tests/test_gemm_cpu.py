@@ -41,10 +41,18 @@ def run_split(kx, W, x, split, valid, logits=None, latent=None):
     return logits, latent
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33, 64, 65, 100, 129, 256])
-@pytest.mark.parametrize("N,K", SMALL_NK, ids=lambda v: str(v))
-def test_plain_small(kx, M, N, K):
-    seed = seed_of("gemm", M, N, K)
+def check_split(kx, W, x, split, valid, what, logits=None, latent=None):
+    """A split run: every element of both views written, each within its tolerance."""
+    logits, latent = run_split(kx, W, x, split, valid, logits, latent)
+    want, mag = want_for(x, W), abs_products(x, W)
+    assert count_bits(logits, 0xFFFFFFFF) == 0 and count_bits(latent, 0xFFFF) == 0, f"{what}: not all written"
+    assert_gemm_close(logits, want[:, :valid], mag[:, :valid], what + " logits", bf16=False)
+    assert_gemm_close(latent, want[:, split:], mag[:, split:], what + " latent", bf16=True)
+
+
+def check_plain(kx, tag, M, N, K):
+    """A plain run on fresh inputs: every element written, within tolerance, no -0.0."""
+    seed = seed_of(tag, M, N, K)
     x, W = make_gemm_inputs(M, N, K, seed)
     what = f"plain M={M} N={N} K={K} seed={seed}"
     out = run_plain(kx, W, x)
@@ -53,15 +61,16 @@ def test_plain_small(kx, M, N, K):
     assert neg_zero_count(out) == 0, f"{what}: -0.0 written"
 
 
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33, 64, 65, 100, 129, 256])
+@pytest.mark.parametrize("N,K", SMALL_NK, ids=lambda v: str(v))
+def test_plain_small(kx, M, N, K):
+    check_plain(kx, "gemm", M, N, K)
+
+
 @pytest.mark.parametrize("M", [1, 5])
 @pytest.mark.parametrize("N,K", MODEL_NK, ids=lambda v: str(v))
 def test_plain_model_shapes(kx, M, N, K):
-    seed = seed_of("gemm-model", M, N, K)
-    x, W = make_gemm_inputs(M, N, K, seed)
-    what = f"plain M={M} N={N} K={K} seed={seed}"
-    out = run_plain(kx, W, x)
-    assert count_bits(out, 0xFFFF) == 0, f"{what}: elements not written"
-    assert_gemm_close(out, want_for(x, W), abs_products(x, W), what, bf16=True)
+    check_plain(kx, "gemm-model", M, N, K)
 
 
 SPLITS = [  # (N, K, split, valid)
@@ -80,11 +89,7 @@ def test_split_epilogue(kx, M, N, K, split, valid):
     seed = seed_of("split", M, N, K, split, valid)
     x, W = make_gemm_inputs(M, N, K, seed)
     what = f"split M={M} N={N} K={K} split={split} valid={valid} seed={seed}"
-    logits, latent = run_split(kx, W, x, split, valid)
-    want, mag = want_for(x, W), abs_products(x, W)
-    assert count_bits(logits, 0xFFFFFFFF) == 0 and count_bits(latent, 0xFFFF) == 0, f"{what}: not all written"
-    assert_gemm_close(logits, want[:, :valid], mag[:, :valid], what + " logits", bf16=False)
-    assert_gemm_close(latent, want[:, split:], mag[:, split:], what + " latent", bf16=True)
+    check_split(kx, W, x, split, valid, what)
 
 
 def test_split_model_shape(kx):
@@ -93,10 +98,7 @@ def test_split_model_shape(kx):
     seed = seed_of("split-model")
     x, W = make_gemm_inputs(M, N, K, seed)
     what = f"split M={M} N={N} K={K} split={split} valid={valid} seed={seed}"
-    logits, latent = run_split(kx, W, x, split, valid)
-    want, mag = want_for(x, W), abs_products(x, W)
-    assert_gemm_close(logits, want[:, :valid], mag[:, :valid], what + " logits", bf16=False)
-    assert_gemm_close(latent, want[:, split:], mag[:, split:], what + " latent", bf16=True)
+    check_split(kx, W, x, split, valid, what)
 
 
 @pytest.mark.parametrize("M,N,K", [(4, 64, 64), (7, 256, 192), (64, 128, 128)])
@@ -136,11 +138,7 @@ def test_mailbox_strided_outputs(kx):
     poison_(logits, 0xFFFFFFFF)
     poison_(latent, 0xFFFF)
     what = f"mailbox M={M} N={N} K={K} split={split} valid={valid} seed={seed}"
-    run_split(kx, W, x, split, valid, logits=logits, latent=latent)
-    want, mag = want_for(x, W), abs_products(x, W)
-    assert count_bits(logits, 0xFFFFFFFF) == 0 and count_bits(latent, 0xFFFF) == 0, f"{what}: not all written"
-    assert_gemm_close(logits, want[:, :valid], mag[:, :valid], what + " logits", bf16=False)
-    assert_gemm_close(latent, want[:, split:], mag[:, split:], what + " latent", bf16=True)
+    check_split(kx, W, x, split, valid, what, logits=logits, latent=latent)
     mask = torch.ones_like(box, dtype=torch.bool)
     mask[:M, 8:8 + valid] = False
     mask[:M, lat_base:lat_base + (N - split) // 2] = False

@@ -39,16 +39,21 @@ def _inputs(layer, B, seed, varied=False):
 MODEL_CASES = [(K3_TP8, 1), (K3_TP8, 2), (K3_TP8, 5), (K3_TP8, 16), (TP16, 1), (TP16, 4)]
 
 
+def run_twice_against_reference(layer, x, ids, rw, what):
+    """One run within the reference's tolerance, and a second run bit-identical to it."""
+    out = layer.run(x, ids, rw).clone()
+    check_close(out, layer.reference(x, ids, rw), what)
+    again = layer.run(x, ids, rw)
+    assert bitwise_equal(out, again), f"{what}: two runs differ (not deterministic)"
+    return out
+
+
 @pytest.mark.parametrize("shape,B", MODEL_CASES, ids=lambda p: p["name"] if isinstance(p, dict) else f"B{p}")
 def test_model_shape_rows(model_layers, shape, B):
     layer = model_layers[shape["name"]]
     seed = seed_of("model-rows", shape["name"], B)
     x, ids, _ = _inputs(layer, B, seed)
-    what = f"{layer.describe()} B={B} seed={seed} rows"
-    out = layer.run(x, ids).clone()
-    check_close(out, layer.reference(x, ids), what)
-    again = layer.run(x, ids)
-    assert bitwise_equal(out, again), f"{what}: two runs differ (not deterministic)"
+    run_twice_against_reference(layer, x, ids, None, f"{layer.describe()} B={B} seed={seed} rows")
 
 
 @pytest.mark.parametrize("shape,B", MODEL_CASES, ids=lambda p: p["name"] if isinstance(p, dict) else f"B{p}")
@@ -57,10 +62,7 @@ def test_model_shape_combined(model_layers, shape, B):
     seed = seed_of("model-comb", shape["name"], B)
     x, ids, rw = _inputs(layer, B, seed)
     what = f"{layer.describe()} B={B} seed={seed} combined"
-    out = layer.run(x, ids, rw).clone()
-    check_close(out, layer.reference(x, ids, rw), what)
-    again = layer.run(x, ids, rw)
-    assert bitwise_equal(out, again), f"{what}: two runs differ (not deterministic)"
+    out = run_twice_against_reference(layer, x, ids, rw, what)
     check_combined_matches_rows(out, layer.run(x, ids), rw, what)
 
 
