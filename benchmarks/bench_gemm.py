@@ -12,9 +12,10 @@ For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32,
 - TBps: weight bytes / us.  max_err: max |y - ref| / (|ref| + 2^-8 * rms(ref)) vs fp32.
 - --warmup-ms T: each of those graphs replays for T ms more before it is timed (a card under
   sustained load, whose power cap may have lowered the SM clock; a study, not the record).
-Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs vs the two alone, for a WsGemm
-predecessor (which lets its dependents start at once) and a plain torch kernel (which does not),
-showing how much of the weight load the dependent launch hides. Also checks that results are
+Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs a graph with the GEMMs'
+programmatic dependent launch on and off, for a WsGemm predecessor (which lets its dependents
+start at once) and a plain torch kernel (which does not): hidden_us, the difference, is how much
+of the GEMM's time (its weight load) the dependent launch hides behind the predecessor. Also checks that results are
 bit-identical across batch sizes. Writes JSON (top level: date, git commit, command, gpu,
 hbm_read_TBps; rows: N, K, M, us, cublas_us, TBps, floor_us, ...) and prints a table last.
 """
@@ -139,7 +140,12 @@ def batch_invariance(kx, torch, n, k):
 
 
 def chain(kx, torch, replays):
-    """(predecessor -> WsGemm) x 8 vs predecessor x 8 + WsGemm x 8, per GEMM pair."""
+    """8 (predecessor -> WsGemm N=4096, K=7168) pairs a graph, per pair, with the GEMMs'
+    programmatic dependent launch on (pair_us) and off (pair_nopdl_us); the predecessors launch
+    alike in both. hidden_us = pair_nopdl_us - pair_us: the part of the GEMM's time that its early
+    start (the weights it requests before its wait) hides behind the predecessor. pred_us and
+    gemm_us: each kind alone, 8 a graph, the GEMMs without PDL (a GEMM that overlaps nothing);
+    added_us = pair_us - pred_us: what the GEMM adds to its predecessor's time."""
     n, k = CHAIN_SHAPE
     pn, pk = CHAIN_PRED_SHAPE
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -149,39 +155,36 @@ def chain(kx, torch, replays):
                 for _ in range(COPIES)]
     a = torch.randn(8 << 20, device="cuda")  # 32 MB: a torch kernel of known duration
     b = torch.empty_like(a)
+    stream = torch.cuda.current_stream
     rows = []
     for m in (1, 64):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         px = torch.randn(m, pk, device="cuda", generator=gen).to(torch.bfloat16)
         outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
         pouts = [torch.empty(m, pn, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-        for pdl in (True, False):
-            gemms = make_gemms(kx, weights, m, outs, pdl)
-            preds = make_gemms(kx, pweights, m, pouts, pdl)
-            stream = torch.cuda.current_stream
+        gemms = {pdl: make_gemms(kx, weights, m, outs, pdl) for pdl in (True, False)}
+        preds = make_gemms(kx, pweights, m, pouts, pdl=True)
 
-            def torch_pred():
-                torch.add(a, 1.0, out=b)
+        def torch_pred(i):
+            torch.add(a, 1.0, out=b)
 
-            def wsgemm_pred(i):
-                preds[i].run(px, stream=stream())
+        def wsgemm_pred(i):
+            preds[i].run(px, stream=stream())
 
-            t_gemm = graph_replay_time_us(lambda: run_all(gemms, x), replays) / COPIES
-            for name, pred in (("WsGemm N=128 K=28672", wsgemm_pred),
-                               ("torch add 32 MB", lambda i: torch_pred())):
-                t_pred = graph_replay_time_us(lambda: [pred(i) for i in range(COPIES)],
-                                              replays) / COPIES
+        t_gemm = graph_replay_time_us(lambda: run_all(gemms[False], x), replays) / COPIES
+        for name, pred in (("WsGemm N=128 K=28672", wsgemm_pred), ("torch add 32 MB", torch_pred)):
+            t_pred = graph_replay_time_us(lambda: [pred(i) for i in range(COPIES)], replays) / COPIES
 
-                def pairs():
-                    for i in range(COPIES):
-                        pred(i)
-                        gemms[i].run(x, stream=stream())
+            def pairs(pdl):
+                for i in range(COPIES):
+                    pred(i)
+                    gemms[pdl][i].run(x, stream=stream())
 
-                t_pair = graph_replay_time_us(pairs, replays) / COPIES
-                rows.append({"predecessor": name, "M": m, "pdl": pdl, "pred_us": t_pred,
-                             "gemm_us": t_gemm, "sum_us": t_pred + t_gemm, "pair_us": t_pair,
-                             "hidden_us": t_pred + t_gemm - t_pair})
-            del gemms, preds
+            t_pair = {pdl: graph_replay_time_us(lambda: pairs(pdl), replays) / COPIES for pdl in (True, False)}
+            rows.append({"predecessor": name, "M": m, "pred_us": t_pred, "gemm_us": t_gemm,
+                         "pair_us": t_pair[True], "pair_nopdl_us": t_pair[False],
+                         "hidden_us": t_pair[False] - t_pair[True], "added_us": t_pair[True] - t_pred})
+        del gemms, preds
     return rows
 
 
@@ -217,9 +220,9 @@ def main():
     write_json(args.out, rows, hbm_read_TBps=hbm, copies=COPIES, replays=args.replays, warmup_ms=args.warmup_ms,
                torch=torch.__version__, batch_invariant=invariant, chain=chain_rows)
     if chain_rows:
-        print("\nchain (per pair; hidden = pred + gemm alone - pair):")
-        print_table(chain_rows, ["predecessor", "M", "pdl", "pred_us", "gemm_us", "sum_us",
-                                 "pair_us", "hidden_us"])
+        print("\nchain (per pair; hidden = pair with the GEMM's PDL off - pair with it on):")
+        print_table(chain_rows, ["predecessor", "M", "pred_us", "gemm_us", "pair_us", "pair_nopdl_us",
+                                 "hidden_us", "added_us"])
     print(f"\nbatch-invariant (bit-identical rows across M): {invariant}")
     print(f"results: {args.out}\n")
     print_table(rows, ["N", "K", "M", "us", "us_nopdl", "cublas_us", "floor_us", "TBps",

@@ -4,8 +4,8 @@
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
  *        benchmarks/ws_gemm_check.cu kernels/ws_gemm.cu kernels/probe.cu -o /tmp/ws_gemm_check \
- *        [-DWITH_CUBLAS -lcublas] && /tmp/ws_gemm_check [--quick] [--check-only | --time-only]
- *        [--rounds R]
+ *        [-DWITH_CUBLAS -lcublas] && /tmp/ws_gemm_check [--quick]
+ *        [--check-only | --time-only [--force TILE_N,CLUSTER]] [--rounds R]
  *
  * 1. correctness against a double-precision host reference: plain and split epilogues, odd N,
  *    M across the launch boundaries (1..130), strided outputs, untouched padding and gap
@@ -15,7 +15,8 @@
  *    without programmatic dependent launch, beside cuBLAS (with -DWITH_CUBLAS) and the HBM floor
  *    (kx_probe_read over 4 GiB); --rounds R puts the 8 copies R times into each graph, so a
  *    replay's own start (its first launch follows no kernel it could overlap) is shared by 8 R
- *    GEMMs instead of 8; 4. a (small WsGemm -> big WsGemm) chain: pair vs sum alone.
+ *    GEMMs instead of 8; 4. a (small WsGemm -> big WsGemm) chain with the big GEMM's programmatic
+ *    dependent launch on and off.
  * Exit status 0 only when every correctness check passed.
  */
 #include <cuda_runtime.h>
@@ -65,6 +66,15 @@ static kx_gemm_args gemm_args(const kx_gemm_config &cfg, const uint16_t *w, int 
   return a;
 }
 
+/* A configuration the heuristic may not pick: tile_n rows of W per cluster of `cluster` CTAs (no
+ * change when tile_n is 0). kx_gemm_configure has set every kernel's shared-memory limit. */
+static void force_config(kx_gemm_config *cfg, int n, int tile_n, int cluster) {
+  if (tile_n <= 0) return;
+  cfg->tile_n = tile_n;
+  cfg->cluster = cluster;
+  cfg->grid = (n + tile_n - 1) / tile_n * cluster;
+}
+
 /* ---- correctness --------------------------------------------------------------------- */
 /* force_tile / force_cluster (0: kx_gemm_configure's choice) run a configuration the heuristic
  * may never pick on this GPU, so that every kernel instantiation is checked. */
@@ -84,11 +94,7 @@ static void check_case(int n, int k, int m, bool split, uint32_t seed, int force
   int dev = 0;
   CHECK(cudaGetDevice(&dev));
   CHECK(kx_gemm_configure(n, k, dev, &cfg)); /* also sets every kernel's shared-memory limit */
-  if (force_tile > 0) {
-    cfg.tile_n = force_tile;
-    cfg.cluster = force_cluster;
-    cfg.grid = (n + force_tile - 1) / force_tile * force_cluster;
-  }
+  force_config(&cfg, n, force_tile, force_cluster);
   const int64_t xs = k + 8, ys = n + 5; /* strided x and outputs */
   std::vector<uint16_t> xh((size_t)m * xs, 0);
   for (int r = 0; r < m; ++r) memcpy(&xh[(size_t)r * xs], &x[(size_t)r * k], (size_t)k * 2);
@@ -226,8 +232,9 @@ struct GemmSet { /* 8 copies of W [n, k], x [64, k], y [64, n] each */
   kx_gemm_config cfg;
   std::vector<Dev *> w;
   Dev *x, *y;
-  GemmSet(int n_, int k_, int copies) : n(n_), k(k_) {
+  GemmSet(int n_, int k_, int copies, int force_tile = 0, int force_cluster = 0) : n(n_), k(k_) {
     CHECK(kx_gemm_configure(n, k, 0, &cfg));
+    force_config(&cfg, n, force_tile, force_cluster);
     std::vector<uint16_t> h((size_t)n * k);
     std::mt19937 rng(n + k);
     std::uniform_int_distribution<int> d(-100, 100);
@@ -278,15 +285,22 @@ static void run_checks(bool quick) {
 
 int main(int argc, char **argv) {
   bool quick = false, check_only = false, time_only = false;
-  int rounds = 1;
+  int rounds = 1, force_tile = 0, force_cluster = 0;
+  bool usage = false;
   for (int i = 1; i < argc; ++i) {
     quick = quick || strcmp(argv[i], "--quick") == 0;
     check_only = check_only || strcmp(argv[i], "--check-only") == 0;
     time_only = time_only || strcmp(argv[i], "--time-only") == 0;
     if (strcmp(argv[i], "--rounds") == 0 && i + 1 < argc) rounds = atoi(argv[++i]);
+    if (strcmp(argv[i], "--force") == 0 && i + 1 < argc)
+      usage = usage || sscanf(argv[++i], "%d,%d", &force_tile, &force_cluster) != 2;
   }
-  if (rounds < 1 || (check_only && time_only)) {
-    fprintf(stderr, "usage: %s [--quick] [--check-only | --time-only] [--rounds R >= 1]\n", argv[0]);
+  if (usage || rounds < 1 || (check_only && time_only) || (force_tile != 0 && !time_only) ||
+      (force_tile != 0 && force_tile != 64 && force_tile != 128 && force_tile != 256) ||
+      (force_tile != 0 && force_cluster != 1 && force_cluster != 2 && force_cluster != 4 && force_cluster != 8)) {
+    fprintf(stderr, "usage: %s [--quick] [--check-only | --time-only [--force TILE_N,CLUSTER]] [--rounds R >= 1]\n"
+            "  --force times N=4096, K=7168 only, with tiles of TILE_N (64, 128, 256) rows per cluster of\n"
+            "  CLUSTER (1, 2, 4, 8) CTAs instead of kx_gemm_configure's choice\n", argv[0]);
     return 2;
   }
   cudaDeviceProp prop;
@@ -322,8 +336,13 @@ int main(int argc, char **argv) {
          copies);
   printf("  %5s %5s %3s | %8s %8s %8s %8s | %7s %8s\n", "N", "K", "M", "us", "us_nopdl", "cublas",
          "floor", "TB/s", "vs cublas");
-  for (auto nk : {std::make_pair(1024, 7168), std::make_pair(4096, 7168), std::make_pair(7168, 2048)}) {
-    GemmSet set(nk.first, nk.second, copies);
+  const std::vector<std::pair<int, int>> timed =
+      force_tile ? std::vector<std::pair<int, int>>{{4096, 7168}}
+                 : std::vector<std::pair<int, int>>{{1024, 7168}, {4096, 7168}, {7168, 2048}};
+  for (auto nk : timed) {
+    GemmSet set(nk.first, nk.second, copies, force_tile, force_cluster);
+    printf("  N=%d K=%d: grid %d, cluster %d, tile_n %d%s\n", set.n, set.k, set.cfg.grid, set.cfg.cluster,
+           set.cfg.tile_n, force_tile ? " (forced)" : "");
     const double wbytes = 2.0 * nk.first * nk.second;
     for (int m : {1, 4, 8, 16, 32, 64}) {
       const float us = graph_us(s, [&] { for (int i = 0; i < calls; ++i) set.run(i, m, s, 1); }) / calls;
@@ -345,23 +364,25 @@ int main(int argc, char **argv) {
     }
   }
 
-  printf("chain: predecessor WsGemm N=128, K=28672 (16 CTAs, ~8 us, triggers its dependents at "
-         "once) -> WsGemm N=4096, K=7168; 8 pairs, weights rotated:\n");
-  {
+  if (!force_tile) {
+    printf("chain: predecessor WsGemm N=128, K=28672 (16 CTAs, ~8 us, triggers its dependents at once) -> WsGemm "
+           "N=4096, K=7168; 8 pairs a graph, weights rotated; the big GEMM's PDL on / off (hidden = the "
+           "difference), alone without PDL:\n");
     GemmSet big(4096, 7168, copies), small(128, 28672, copies);
     for (int m : {1, 64}) {
-      for (int pdl : {1, 0}) {
-        const float t_small = graph_us(s, [&] { for (int i = 0; i < copies; ++i) small.run(i, m, s, pdl); }) / copies;
-        const float t_big = graph_us(s, [&] { for (int i = 0; i < copies; ++i) big.run(i, m, s, pdl); }) / copies;
-        const float t_pair = graph_us(s, [&] {
-                               for (int i = 0; i < copies; ++i) {
-                                 small.run(i, m, s, pdl);
-                                 big.run(i, m, s, pdl);
-                               }
-                             }) / copies;
-        printf("  M=%2d pdl=%d: small %.2f us, big %.2f us, sum %.2f us, pair %.2f us, hidden %.2f us\n",
-               m, pdl, t_small, t_big, t_small + t_big, t_pair, t_small + t_big - t_pair);
-      }
+      const float t_small = graph_us(s, [&] { for (int i = 0; i < copies; ++i) small.run(i, m, s, 1); }) / copies;
+      const float t_big = graph_us(s, [&] { for (int i = 0; i < copies; ++i) big.run(i, m, s, 0); }) / copies;
+      float t_pair[2];
+      for (int pdl : {0, 1})
+        t_pair[pdl] = graph_us(s, [&] {
+                        for (int i = 0; i < copies; ++i) {
+                          small.run(i, m, s, 1);
+                          big.run(i, m, s, pdl);
+                        }
+                      }) / copies;
+      printf("  M=%2d: small %.2f us, big %.2f us, pair %.2f us, pair without PDL %.2f us, hidden %.2f us, "
+             "added %.2f us\n",
+             m, t_small, t_big, t_pair[1], t_pair[0], t_pair[0] - t_pair[1], t_pair[1] - t_small);
     }
   }
   CHECK(cudaStreamDestroy(s));
