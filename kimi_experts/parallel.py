@@ -184,7 +184,11 @@ class TensorParallelExperts:
 
     The all-reduce is NCCL on CUDA (gloo on the CPU works too) and runs on the
     caller's stream after the layer, so a whole run() is capturable in a CUDA graph
-    once the communicator is initialized (one eager run() before capturing).
+    once the communicator is initialized (one eager run() before capturing). Free or
+    ``reset()`` such graphs before ``torch.distributed.destroy_process_group()``:
+    NCCL's communicator teardown waits for every graph that captured one of its
+    collectives, and hangs while one is alive (pytorch/pytorch#115388; seen here with
+    torch 2.11 and NCCL 2.28 on two H200s).
 
     Examples
     --------

@@ -307,6 +307,9 @@ def _dist_worker(rank, world, init_file, backend, payload, out_dir):
             graph.replay()
             torch.cuda.synchronize()
             result["graph"] = out.cpu().clone()
+            # NCCL's communicator teardown waits for every graph that captured one of its
+            # collectives: without this, destroy_process_group() below hangs (pytorch#115388)
+            graph.reset()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
