@@ -7,7 +7,8 @@
  * x; each MMA warp runs an FC1 chunk (4 strips x 16 k-blocks, 4 units a warp) 2000 times over the
  * 4 stages and reports clock64 cycles per chunk and the SM clock (cycles over globaltimer), the
  * medians over every warp of 5 launches. The one-token loop unless "wide". Variants:
- *   main            consume_units as the kernel runs it (loads, release, decode + MMA)
+ *   main            consume_units as the kernel runs it (loads, decode + MMA, release; in
+ *                   sessions 43-44's readings in NOTES.md the release still came before the math)
  *   main + waits    the same after an mbar_wait per chunk on a barrier whose phase is complete
  *   decode = mask   each FP4 word masked once instead of decoded (timing only: wrong values)
  *   no decode/MMA   the loads and FFMAs kept, decode and MMAs replaced by two XORs (timing only)

@@ -11,11 +11,11 @@
  *   - two activation producers, on alternate tiles, copy the unit's activation rows into
  *     the same stage (a bulk copy per x row for FC1, one per unit block of hidden rows
  *     for FC2), waiting for them where other CTAs produce them;
- *   - 16 MMA warps load a stage into registers, release it, widen FP4 to f16 with bit
+ *   - 16 MMA warps load a stage into registers, widen FP4 to f16 with bit
  *     operations (mx.cuh: Hopper's e4m3 mma.sync is emulated through conversions), run
  *     two mma.sync m16n8k16 per 16x32 unit (weights on the 16-row side, tokens on the
  *     8-column side) and fold each 32-block's weight scale into fp32 sums (activation
- *     scales are folded into their f16 values: mx.cuh);
+ *     scales are folded into their f16 values: mx.cuh), then release the stage;
  *   - 5 epilogue warps take each tile's partial sums, so the MMA warps never wait on
  *     global memory.
  * Tiles are dealt round-robin over the grid: all FC1 tiles first, then all FC2 tiles, so
@@ -751,8 +751,8 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
 
 /* One warp's kUnits units of the stage at shared address `stage` (its activations from
  * act_base: the stage, or local x's chunk): every shared-memory
- * load first (unit by unit), then the stage is released, then decode + MMA with no
- * branch between units. A warp without units only releases the stage. kPartial: a
+ * load first (unit by unit), then decode + MMA with no branch between units, then the
+ * stage is released. A warp without units only releases the stage. kPartial: a
  * tile's shorter last chunk, where only the first `units` count (the others read other
  * bytes of the same stage and are left out of the sums). kChunkScale: each MMA column's
  * chunk sums take its row's multiplier, which the activation producer left at chunk_scale
@@ -781,9 +781,6 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
                                             : lds64f(act_base + chunk_scale_at + 8 * (threadIdx.x & 3));
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* kChunkScale: this chunk's sums */
     float (&sums)[4] = kChunkScale ? part : acc;
-    /* every lane releases its own loads (an arrive is a release): no warp-wide sync or
-     * divergent branch per stage, which cost ~6 of a stage's ~26 instructions of overhead */
-    mbar_arrive(empty);
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
       /* row g's byte lands on the exponent, row g+8's low bit on the sign, which the FFMAs
@@ -803,6 +800,14 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
         sums[3] = fmaf(d[3], sw_g8, sums[3]);
       }
     }
+    /* every lane releases the stage once its math has used every register its loads filled
+     * (no warp-wide sync or divergent branch per stage, which cost ~6 of a stage's ~26
+     * instructions of overhead). Released right after the loads instead, the stage was
+     * sometimes refilled under them: at B = 64 with every token on the same 16 experts about
+     * one call in 1600 had one strip's sums (warp 0's) wrong for the unit's first 1-8
+     * tokens, as if the next copy's first rows had landed before that warp read its own
+     * (session 44) */
+    mbar_arrive(empty);
     if constexpr (kChunkScale) /* powers of two: the same bits as the scales in the codes */
       for (int i = 0; i < 4; i += kOneToken ? 2 : 1)
         acc[i] = fmaf(part[i], i & 1 ? chunk_scale.y : chunk_scale.x, acc[i]);

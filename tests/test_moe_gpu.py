@@ -1,7 +1,8 @@
 """SPEC 3 on the GPU engine (issue 3): the device quantizer bit-exact; rows and combined
 output against the float64 reference (computed on the GPU) for every B in 1..64 on
 k3-tp8 and tp16 and for B > 64; NaN/Inf inputs; bad ids; CUDA-graph capture and
-replay; four layers sharing one scratch; determinism over 100 runs; 2000 launches of the
+replay; four layers sharing one scratch; determinism over 100 runs and over 1500 runs of
+every token on the same 16 experts; 2000 launches of the
 shape whose tiles are one ring stage each; streams; device mismatches. Weights are built
 once per module; the reference caches each expert's dequantized weights on the GPU."""
 
@@ -602,6 +603,30 @@ def test_determinism_100_runs(kx, gpu_layers, scratches, B):
         layer.moe.run(x, ids, rw)
         assert bitwise_equal(z, zfirst), f"{layer.describe()} B={B}: combined run {i + 1} differs"
     sync_or_die("determinism")
+
+
+def test_same_16_experts_bit_identical_over_1500_runs(kx, gpu_layers, scratches):
+    """B = 64 with every token on the same 16 experts (8 full units an expert), rows and
+    combined, each run against the first, back to back. Before session 44 about one such
+    call in 1600 had one strip of one tile wrong (a ring stage refilled before a warp had
+    read it), which random routing never showed."""
+    layer = gpu_layers["k3-tp8"]
+    B = 64
+    x, _, rw = _inputs(layer, B, seed_of("same-16-det"))
+    ids = torch.arange(100, 100 + layer.top_k, dtype=torch.int32, device=DEV).repeat(B, 1)
+    for combine in (False, True):
+        out = layer.new_out(B, combine, DEV)
+        layer.moe.prepare(B, scratches["k3-tp8"], out, combine=combine)
+        layer.moe.run(x, ids, rw if combine else None)
+        first = out.clone()
+        differing = torch.zeros((), dtype=torch.int32, device=DEV)
+        for _ in range(1500):
+            poison_(out)
+            layer.moe.run(x, ids, rw if combine else None)
+            differing += (out.view(torch.int16) != first.view(torch.int16)).any()
+        sync_or_die(f"same-16 combine={combine}")
+        assert differing.item() == 0, (
+            f"{layer.describe()} B={B} combine={combine}: {differing.item()} of 1500 runs differ from the first")
 
 
 def test_packed_bytes_and_attributes(kx, gpu_layers):
