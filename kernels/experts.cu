@@ -804,7 +804,7 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
      * (no warp-wide sync or divergent branch per stage, which cost ~6 of a stage's ~26
      * instructions of overhead). Released right after the loads instead, the stage was
      * sometimes refilled under them: at B = 64 with every token on the same 16 experts about
-     * one call in 1600 had one strip's sums (warp 0's) wrong for the unit's first 1-8
+     * one call in 1500 had one strip's sums (warp 0's) wrong for the unit's first 1-8
      * tokens, as if the next copy's first rows had landed before that warp read its own
      * (session 44) */
     mbar_arrive(empty);

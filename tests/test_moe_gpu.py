@@ -608,7 +608,7 @@ def test_determinism_100_runs(kx, gpu_layers, scratches, B):
 def test_same_16_experts_bit_identical_over_1500_runs(kx, gpu_layers, scratches):
     """B = 64 with every token on the same 16 experts (8 full units an expert), rows and
     combined, each run against the first, back to back. Before session 44 about one such
-    call in 1600 had one strip of one tile wrong (a ring stage refilled before a warp had
+    call in 1500 had one strip of one tile wrong (a ring stage refilled before a warp had
     read it), which random routing never showed."""
     layer = gpu_layers["k3-tp8"]
     B = 64
