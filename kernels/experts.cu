@@ -800,13 +800,14 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
         sums[3] = fmaf(d[3], sw_g8, sums[3]);
       }
     }
-    /* every lane releases the stage once its math has used every register its loads filled
-     * (no warp-wide sync or divergent branch per stage, which cost ~6 of a stage's ~26
-     * instructions of overhead). Released right after the loads instead, the stage was
-     * sometimes refilled under them: at B = 64 with every token on the same 16 experts about
-     * one call in 1500 had one strip's sums (warp 0's) wrong for the unit's first 1-8
-     * tokens, as if the next copy's first rows had landed before that warp read its own
-     * (session 44) */
+    /* every lane releases the stage after its math (no warp-wide sync or divergent branch per
+     * stage, which cost ~6 of a stage's ~26 instructions of overhead). Released right after
+     * the loads, the stage was sometimes refilled under them: at B = 64 with every token on the
+     * same 16 experts about one call in 1500 had one strip's sums (warp 0's) wrong for the
+     * unit's first 1-8 tokens (session 44). ptxas may still move this arrive above register
+     * math, and issues it without waiting for the loads' data: here it ends up behind the
+     * HMMAs that read the weights and activations in the 4-unit instances, not in the 1-unit
+     * ones (benchmarks/release_scan.py; NOTES.md, session 44). */
     mbar_arrive(empty);
     if constexpr (kChunkScale) /* powers of two: the same bits as the scales in the codes */
       for (int i = 0; i < 4; i += kOneToken ? 2 : 1)
