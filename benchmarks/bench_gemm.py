@@ -15,9 +15,10 @@ For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32,
 Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs a graph with the GEMMs'
 programmatic dependent launch on and off, for a WsGemm predecessor (which lets its dependents
 start at once) and a plain torch kernel (which does not): hidden_us, the difference, is how much
-of the GEMM's time (its weight load) the dependent launch hides behind the predecessor. Also checks that results are
-bit-identical across batch sizes. Writes JSON (top level: date, git commit, command, gpu,
-hbm_read_TBps; rows: N, K, M, us, cublas_us, TBps, floor_us, ...) and prints a table last.
+of the GEMM's time (its weight load) the dependent launch hides behind the predecessor. Also
+checks that results are bit-identical across batch sizes. Writes JSON (top level: date, git
+commit, command, gpu, hbm_read_TBps; rows: N, K, M, us, cublas_us, TBps, floor_us, ...) and
+prints a table last.
 """
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ def chain(kx, torch, replays):
                     pred(i)
                     gemms[pdl][i].run(x, stream=stream())
 
-            t_pair = {pdl: graph_replay_time_us(lambda: pairs(pdl), replays) / COPIES for pdl in (True, False)}
+            t_pair = {pdl: graph_replay_time_us(lambda: pairs(pdl), replays) / COPIES
+                      for pdl in (True, False)}
             rows.append({"predecessor": name, "M": m, "pred_us": t_pred, "gemm_us": t_gemm,
                          "pair_us": t_pair[True], "pair_nopdl_us": t_pair[False],
                          "hidden_us": t_pair[False] - t_pair[True], "added_us": t_pair[True] - t_pred})

@@ -1,10 +1,10 @@
 """SPEC 3 on the GPU engine (issue 3): the device quantizer bit-exact; rows and combined
 output against the float64 reference (computed on the GPU) for every B in 1..64 on
 k3-tp8 and tp16 and for B > 64; NaN/Inf inputs; bad ids; CUDA-graph capture and
-replay; four layers sharing one scratch; determinism over 100 runs and over 1500 runs of
-every token on the same 16 experts; 2000 launches of the
-shape whose tiles are one ring stage each; streams; device mismatches. Weights are built
-once per module; the reference caches each expert's dequantized weights on the GPU."""
+replay; four layers sharing one scratch; determinism over 100 runs, and over 1500 runs
+with every token on the same 16 experts; 2000 launches of the shape whose tiles are one
+ring stage each; streams; device mismatches. Weights are built once per module; the
+reference caches each expert's dequantized weights on the GPU."""
 
 from __future__ import annotations
 
