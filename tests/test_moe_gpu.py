@@ -605,13 +605,13 @@ def test_determinism_100_runs(kx, gpu_layers, scratches, B):
     sync_or_die("determinism")
 
 
-def test_same_16_experts_bit_identical_over_1500_runs(kx, gpu_layers, scratches):
-    """B = 64 with every token on the same 16 experts (8 full units an expert), rows and
+@pytest.mark.parametrize("B", [1, 2, 64])  # the one-token, tagged and wide kernels
+def test_same_16_experts_bit_identical_over_1500_runs(kx, gpu_layers, scratches, B):
+    """Every token on the same 16 experts (at B = 64, 8 full units an expert), rows and
     combined, each run against the first, back to back. Before session 44 about one such
-    call in 1500 had one strip of one tile wrong (a ring stage refilled before a warp had
-    read it), which random routing never showed."""
+    call in 1500 at B = 64 had one strip of one tile wrong (a ring stage refilled before a
+    warp had read it), which random routing never showed."""
     layer = gpu_layers["k3-tp8"]
-    B = 64
     x, _, rw = _inputs(layer, B, seed_of("same-16-det"))
     ids = torch.arange(100, 100 + layer.top_k, dtype=torch.int32, device=DEV).repeat(B, 1)
     for combine in (False, True):
