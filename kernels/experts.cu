@@ -803,8 +803,8 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
     /* every lane releases the stage after its math (no warp-wide sync or divergent branch per
      * stage, which cost ~6 of a stage's ~26 instructions of overhead). Released right after
      * the loads, the stage was sometimes refilled under them: at B = 64 with every token on the
-     * same 16 experts about one call in 1500 had one strip's sums (warp 0's) wrong for the
-     * unit's first 1-8 tokens (session 44). ptxas may still move this arrive above register
+     * same 16 experts about one call in 1500 had one strip's sums (warp 0's) wrong for 1-8
+     * of the unit's tokens (session 44). ptxas may still move this arrive above register
      * math, and issues it without waiting for the loads' data: here it ends up behind the
      * HMMAs that read the weights and activations in the 4-unit instances, not in the 1-unit
      * ones (benchmarks/release_scan.py; NOTES.md, session 44). */
