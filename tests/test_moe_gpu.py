@@ -581,52 +581,42 @@ def test_streams(kx, gpu_layers):
 
 
 # --------------------------------------------------------------------------- determinism
+def assert_runs_bit_identical(layer, scratch, x, ids, rw, runs, what):
+    """Rows and combined: `runs` runs back to back, each on a poisoned output, each bit-identical
+    to the first run (the differing runs counted on the GPU, so nothing syncs in between)."""
+    B = x.shape[0]
+    for combine in (False, True):
+        out = layer.new_out(B, combine, DEV)
+        layer.moe.prepare(B, scratch, out, combine=combine)
+        layer.moe.run(x, ids, rw if combine else None)
+        first = out.clone()
+        differing = torch.zeros((), dtype=torch.int32, device=DEV)
+        for _ in range(runs):
+            poison_(out)
+            layer.moe.run(x, ids, rw if combine else None)
+            differing += (out.view(torch.int16) != first.view(torch.int16)).any()
+        sync_or_die(f"{what} combine={combine}")
+        assert differing.item() == 0, (
+            f"{layer.describe()} B={B} {what} combine={combine}: {differing.item()} of {runs} runs differ "
+            "from the first")
+
+
 @pytest.mark.parametrize("B", [1, 7, 64])
 def test_determinism_100_runs(kx, gpu_layers, scratches, B):
     layer = gpu_layers["k3-tp8"]
     x, ids, rw = _inputs(layer, B, seed_of("det", B))
-    out = layer.new_out(B, False, DEV)
-    layer.moe.prepare(B, scratches["k3-tp8"], out)
-    layer.moe.run(x, ids)
-    first = out.clone()
-    for i in range(100):
-        poison_(out)
-        layer.moe.run(x, ids)
-        if not bitwise_equal(out, first):
-            n = int((out.view(torch.int16) != first.view(torch.int16)).sum())
-            raise AssertionError(f"{layer.describe()} B={B}: run {i + 1} differs from the first in {n} elements")
-    z = layer.new_out(B, True, DEV)
-    layer.moe.prepare(B, scratches["k3-tp8"], z, combine=True)
-    layer.moe.run(x, ids, rw)
-    zfirst = z.clone()
-    for i in range(100):
-        layer.moe.run(x, ids, rw)
-        assert bitwise_equal(z, zfirst), f"{layer.describe()} B={B}: combined run {i + 1} differs"
-    sync_or_die("determinism")
+    assert_runs_bit_identical(layer, scratches["k3-tp8"], x, ids, rw, 100, "random routing")
 
 
 @pytest.mark.parametrize("B", [1, 2, 64])  # the one-token, tagged and wide kernels
 def test_same_16_experts_bit_identical_over_1500_runs(kx, gpu_layers, scratches, B):
-    """Every token on the same 16 experts (at B = 64, 8 full units an expert), rows and
-    combined, each run against the first, back to back. Before session 44 about one such
-    call in 1500 at B = 64 had one strip of one tile wrong (a ring stage refilled before a
-    warp had read it), which random routing never showed."""
+    """Every token on the same 16 experts (at B = 64, 8 full units an expert). Before session
+    44 about one such call in 1500 at B = 64 had one strip of one tile wrong (a ring stage
+    refilled before a warp had read it), which random routing never showed."""
     layer = gpu_layers["k3-tp8"]
     x, _, rw = _inputs(layer, B, seed_of("same-16-det"))
     ids = torch.arange(100, 100 + layer.top_k, dtype=torch.int32, device=DEV).repeat(B, 1)
-    for combine in (False, True):
-        out = layer.new_out(B, combine, DEV)
-        layer.moe.prepare(B, scratches["k3-tp8"], out, combine=combine)
-        layer.moe.run(x, ids, rw if combine else None)
-        first = out.clone()
-        differing = torch.zeros((), dtype=torch.int32, device=DEV)
-        for _ in range(1500):
-            poison_(out)
-            layer.moe.run(x, ids, rw if combine else None)
-            differing += (out.view(torch.int16) != first.view(torch.int16)).any()
-        sync_or_die(f"same-16 combine={combine}")
-        assert differing.item() == 0, (
-            f"{layer.describe()} B={B} combine={combine}: {differing.item()} of 1500 runs differ from the first")
+    assert_runs_bit_identical(layer, scratches["k3-tp8"], x, ids, rw, 1500, "same 16 experts")
 
 
 def test_packed_bytes_and_attributes(kx, gpu_layers):
