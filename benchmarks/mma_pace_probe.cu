@@ -174,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   }
   if (warp >= (kHalf ? kConsumerWarps / 2 : kConsumerWarps)) return;
   const uint32_t stages = smem_addr(smem), x_local = stages + kStages * kStageBytes;
+  const uint32_t released = x_local + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread; /* consume_units' */
   const int x_row = kBroadcastX ? 0 : lane >> 2;
   /* the kernel's FC1 plan (consumer_plan): strip = warp % 4, k-slot = warp / 4; k-major: k-block = warp */
   UnitOffsets o = kVariant == kKMajor ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
@@ -196,11 +197,11 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     if constexpr (kVariant == kWideScales || kVariant == kWideKMajor)
       probe_chunk<kMain, kVariant == kWideKMajor, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
     else if constexpr (kWide)
-      consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, &empty[s], acc[0]);
+      consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
-      consume_units<4, 4, false, true>(stage, x, o, 0, &empty[s], acc[0]);
+      consume_units<4, 4, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kHalf)
-      consume_units<8, 2, false, true>(stage, x, o, 0, &empty[s], acc[0]);
+      consume_units<8, 2, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
     else
       probe_chunk<kVariant, kVariant == kKMajor, false, false>(stage, x, o, &empty[s], acc);
   }
@@ -257,7 +258,7 @@ int main() {
   using namespace kx;
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread;
+  const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 16;
   Dev cycles(2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long)), sink(kThreads * sizeof(float));
   /* the copies' source: 0x35 bytes are valid FP4 pairs (3 and 5) and scales (2^-74) */
   const size_t source_bytes = (size_t)sms * kOwnSourceChunks * kProbeChunkBytes;

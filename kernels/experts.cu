@@ -223,7 +223,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
 
 /* ---- shared memory layout ------------------------------------------------------- */
 struct SmemLayout {
-  int ring, full, empty, parked, freed, reduce, call, act_rows, x_amax;
+  int ring, full, empty, parked, freed, reduce, call, released, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals, unit_pairs;
   int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
@@ -250,6 +250,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.freed = take(8 * kMaxEpilogueWarps, 8);
   L.reduce = take(4 * kReduceFloats * kMaxEpilogueWarps, 16);
   L.call = take(8, 8);
+  L.released = take(4, 4);
   L.act_rows = take(4 * kGroupTokens * kMaxActivationWarps, 4);
   L.x_amax = take(4 * kMaxLaunchTokens, 4);
   L.token_mask = take(8 * pairs, 8);
@@ -456,6 +457,10 @@ __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
+}
+
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ uint32_t lds16(uint32_t addr) {
@@ -760,8 +765,8 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
  * read, so the others are not summed. */
 template <int kUnits, int kStep, bool kChunkScale, bool kOneToken, bool kPartial = false>
 __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base, const UnitOffsets &o,
-                                              uint32_t chunk_scale_at, uint64_t *empty, float (&acc)[4],
-                                              int units = kUnits) {
+                                              uint32_t chunk_scale_at, uint32_t released, uint64_t *empty,
+                                              float (&acc)[4], int units = kUnits) {
   if constexpr (kUnits == 0) {
     mbar_arrive(empty);
   } else {
@@ -800,14 +805,17 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
         sums[3] = fmaf(d[3], sw_g8, sums[3]);
       }
     }
-    /* every lane releases the stage after its math (no warp-wide sync or divergent branch per
-     * stage, which cost ~6 of a stage's ~26 instructions of overhead). Released right after
-     * the loads, the stage was sometimes refilled under them: at B = 64 with every token on the
-     * same 16 experts about one call in 1500 had one strip's sums (warp 0's) wrong for 1-8
-     * of the unit's tokens (session 44). ptxas may still move this arrive above register
-     * math, and issues it without waiting for the loads' data: here it ends up behind the
-     * HMMAs that read the weights and activations in the 4-unit instances, not in the 1-unit
-     * ones (benchmarks/release_scan.py; NOTES.md, session 44). */
+    /* every lane releases the stage once the values its loads read are in registers (no
+     * warp-wide sync or divergent branch per stage, which cost ~6 of a stage's ~26
+     * instructions of overhead). ptxas issues an arrive right behind the loads it follows,
+     * without waiting for their data, and moves it above register math: released so, at
+     * B = 64 with every token on the same 16 experts about one call in 1500 had one strip's
+     * sums (warp 0's) wrong for 1-8 of the unit's tokens (session 44). So a store of a value
+     * made from every loaded register (the sums take all weights, activations and scales)
+     * comes first: it cannot issue before those loads are done, and the arrive, a release,
+     * follows it (benchmarks/release_scan.py finds no ring load outstanding at a release). */
+    const float held = kChunkScale ? chunk_scale.x : 0.0f;
+    sts32(released, __float_as_uint(sums[0]) ^ __float_as_uint(held));
     mbar_arrive(empty);
     if constexpr (kChunkScale) /* powers of two: the same bits as the scales in the codes */
       for (int i = 0; i < 4; i += kOneToken ? 2 : 1)
@@ -833,6 +841,7 @@ struct ConsumerPlan {
   bool short_last;
   UnitOffsets full, last;
   uint32_t chunk_scale; /* block-scaled hidden rows: where a stage holds the chunk's multiplier */
+  uint32_t released;    /* a word the MMA warps store to before each release (consume_units) */
   uint32_t x_local, chunk_act_bytes; /* local x: its shared address, and how far a chunk's blocks move it */
   int fc1_tiles;                     /* the launch's FC1 tiles: FC2's tile indices start there (tile_ref) */
 };
@@ -853,6 +862,7 @@ __device__ __forceinline__ ConsumerPlan consumer_plan(const Params &p, uint8_t *
   cp.full = unit_offsets(ph.strips, strip, k_slot, ph.chunk_kb, row_bytes);
   cp.last = unit_offsets(ph.strips, strip, k_slot, last_kb, row_bytes);
   cp.chunk_scale = kStageActOffset + (fc1 ? 0 : chunk_scale_offset(ph));
+  cp.released = smem_addr(smem + p.smem.released);
   if (kLocalX && fc1) {
     /* B row g is launch token g (rows past the launch's read token 0's, and their columns
      * are never read): the MMA columns are the launch's tokens, whatever the unit */
@@ -932,14 +942,15 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       KX_TIMED_WAIT(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity));
       consume_units<kUnits, kStep, kChunkScale, kOneToken>(stage, kLocalX ? x_chunk : stage, cp.full,
-                                                           cp.chunk_scale, &ring.empty[ring.pos.stage], acc);
+                                                           cp.chunk_scale, cp.released, &ring.empty[ring.pos.stage],
+                                                           acc);
     }
     if (cp.short_last) {
       const uint32_t stage = ring.stages + ring.pos.stage * kStageBytes;
       KX_TIMED_WAIT(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity));
       consume_units<kUnits, kStep, kChunkScale, kOneToken, true>(stage, kLocalX ? x_chunk : stage, cp.last,
-                                                                 cp.chunk_scale, &ring.empty[ring.pos.stage], acc,
-                                                                 cp.last_units);
+                                                                 cp.chunk_scale, cp.released,
+                                                                 &ring.empty[ring.pos.stage], acc, cp.last_units);
       ring.pos.advance(kStages);
     }
     KX_MARK_TILE(index, kMarkTileSums);
