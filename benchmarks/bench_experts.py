@@ -1,11 +1,12 @@
 """The routed experts (SPEC 3, 6) on the GPU against the HBM floor.
 
-    python benchmarks/bench_experts.py [--replays 60] [--layers 8] [--rounds 1] [--warmup-ms 0]
+    python benchmarks/bench_experts.py [--replays 60] [--layers 8] [--rounds 1] [--warmup-ms 0] [--combine]
                                        [--out benchmarks/results/experts-h200.json]
 
 Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 shard
 (I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large).
-- us: one layer call (PersistentExperts.run, per-slot rows), timed as a CUDA graph of
+- us: one layer call (PersistentExperts.run, per-slot rows; with --combine the fused combine
+  z = sum_j w[:, j] rows[:, j], its own record experts-combined-h200.json), timed as a CUDA graph of
   --layers calls over --layers distinct weight sets sharing one scratch (so L2 cannot
   serve the weights), replayed --replays times: median / layers. That times a fresh card
   (10 + 60 replays last tens of ms, before the board's power cap acts at B >= 8).
@@ -36,7 +37,7 @@ SHAPES = {
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0):
+def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0, combine=False):
     top_k = shape["top_k"]
     moes = []
     for l in range(layers):
@@ -50,10 +51,11 @@ def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1,
     for B in batches:
         x = torch.randn(B, shape["H"], device="cuda").to(torch.bfloat16)
         ids = routed_ids(torch, torch.Generator().manual_seed(B), B, top_k, shape["E"]).cuda()
-        out = torch.empty(B * top_k, shape["H"], dtype=torch.bfloat16, device="cuda")
+        weights = torch.rand(B, top_k, device="cuda") if combine else None
+        out = torch.empty(B if combine else B * top_k, shape["H"], dtype=torch.bfloat16, device="cuda")
         for m in moes:
-            m.prepare(B, scratch, out)
-        us = graph_replay_time_us(lambda: [m.run(x, ids) for _ in range(rounds) for m in moes],
+            m.prepare(B, scratch, out, combine=combine)
+        us = graph_replay_time_us(lambda: [m.run(x, ids, weights) for _ in range(rounds) for m in moes],
                                   replays=replays, warmup_ms=warmup_ms) / (layers * rounds)
         distinct = int(torch.unique(ids).numel())
         weight_bytes = distinct * per_expert
@@ -100,9 +102,13 @@ def main():
     ap.add_argument("--large", action="store_true", help="also B = 128, 256")
     ap.add_argument("--batches", help="only these B, comma-separated (a study, not the record)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    record = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "experts-h200.json")
-    ap.add_argument("--out", default=record)
+    ap.add_argument("--combine", action="store_true", help="time the fused combine (z [B, H]) instead of per-slot rows")
+    ap.add_argument("--out", help="the JSON (default: the record, results/experts-h200.json, or with --combine "
+                                  "results/experts-combined-h200.json)")
     args = ap.parse_args()
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    record = os.path.join(results, "experts-combined-h200.json" if args.combine else "experts-h200.json")
+    args.out = args.out or record
     if args.replays < 50:
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
     if args.rounds < 1:
@@ -129,9 +135,9 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds,
-                            args.warmup_ms)
+                            args.warmup_ms, args.combine)
     write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays,
-               warmup_ms=args.warmup_ms)
+               warmup_ms=args.warmup_ms, output="combined" if args.combine else "rows")
     plot(rows, os.path.splitext(args.out)[0] + ".png")
     print_table(rows, ["shape", "B", "distinct_experts", "weight_bytes", "us", "floor_us", "ratio", "TBps"])
 

@@ -1,7 +1,7 @@
 """Same-machine A/B timing of built trees of this repository.
 
     python benchmarks/compare_builds.py TREE [TREE ...] [--passes 3] [--shapes k3-tp8,tp16] [--build]
-                                        [--warmup-ms T]
+                                        [--warmup-ms T] [--combine]
 
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
@@ -10,7 +10,8 @@ bandwidth). Machines differ (HBM read 4.5-4.65 TB/s)
 and so do processes on one machine (B >= 16 moved 2-5 % between passes of one build), by more
 than most kernel changes, so a change is read only beside its base, alternating, in one run.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --warmup-ms
-reaches bench_experts.py (each graph replayed that long before it is timed: sustained load).
+reaches bench_experts.py (each graph replayed that long before it is timed: sustained load), and so
+does --combine (the fused combine instead of per-slot rows; every tree's bench_experts.py must know it).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def build(tree: str) -> None:
         sys.exit(f"building {tree} failed: see {log}")
 
 
-def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0) -> dict:
+def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0, combine: bool = False) -> dict:
     """One bench_experts.py run of tree: its JSON (rows, the run's HBM read)."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out]
@@ -46,6 +47,8 @@ def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: floa
         cmd += ["--batches", batches]
     if warmup_ms > 0:
         cmd += ["--warmup-ms", str(warmup_ms)]
+    if combine:
+        cmd += ["--combine"]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         return json.load(f)
@@ -83,6 +86,7 @@ def main():
     ap.add_argument("--batches", help="only these B (bench_experts.py --batches)")
     ap.add_argument("--build", action="store_true", help="build each tree in place first")
     ap.add_argument("--warmup-ms", type=float, default=0.0, help="bench_experts.py --warmup-ms")
+    ap.add_argument("--combine", action="store_true", help="bench_experts.py --combine")
     args = ap.parse_args()
     names = tree_names(args.trees)
     if args.build:
@@ -95,7 +99,8 @@ def main():
         for p in range(args.passes):
             for tree, name in zip(args.trees, names):
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
-                run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"), args.warmup_ms)
+                run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"), args.warmup_ms,
+                            args.combine)
                 hbm.setdefault(name, []).append(run.get("hbm_read_TBps"))
                 for row in run["rows"]:
                     times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])

@@ -172,11 +172,67 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* z[t, cols] = bf16(sum_j w[t, j] * y[t, j, cols]) in slot order, by whichever CTA
- * delivers the last expert of (t, tile). */
-__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile) {
+/* The combine's columns per lane (one 16-byte load of y a slot) and the slots whose loads a
+ * lane has in flight at once. Column by column, with one dependent L2 load after another, the
+ * combine cost ~40 us at k3-tp8 B = 1 and ~700 at B = 64, 3-5x the rest of the call (session 45). */
+constexpr int kCombineCols = 8;
+constexpr int kCombineSlotsInFlight = 2;
+
+/* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column summed in slot order from
+ * 0 (bit for bit the order of the reference's loop); a bad id in any slot makes the row NaN. */
+__device__ void combine_token_tile(const Params &p, const Routing &r, int t, int tile) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
-  const int cols = p.fc2.strips * kStripRows, tiles_per_row = H / kMinTileCols;
+  const int cols = p.fc2.strips * kStripRows, col = lane * kCombineCols;
+  const int64_t c = (int64_t)tile * cols + col;
+  /* lane j < K: slot j's hidden row and weight, fetched once for all columns */
+  int row = 0;
+  float weight = 0.0f;
+  bool bad = false;
+  if (lane < K) {
+    const int e = r.pair_expert[t * K + lane];
+    bad = e < 0;
+    if (!bad) {
+      row = hidden_row(r, r.expert_slot[e], t);
+      weight = p.route_weights[t * p.rw_ld + lane];
+    }
+  }
+  const bool nan_row = __any_sync(0xFFFFFFFFu, bad);
+  const bool mine = col < cols; /* the lanes past a narrow tile's columns only pass the shuffles on */
+  float z[kCombineCols] = {};
+  for (int j0 = 0; j0 < K; j0 += kCombineSlotsInFlight) {
+    uint4 y[kCombineSlotsInFlight];
+    float w[kCombineSlotsInFlight];
+#pragma unroll
+    for (int b = 0; b < kCombineSlotsInFlight; ++b) {
+      const int j = j0 + b, row_j = __shfl_sync(0xFFFFFFFFu, row, j & 31);
+      w[b] = __shfl_sync(0xFFFFFFFFu, weight, j & 31);
+      y[b] = make_uint4(0, 0, 0, 0);
+      if (mine && j < K && !nan_row) y[b] = __ldcg(reinterpret_cast<const uint4 *>(p.y + (int64_t)row_j * H + c));
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineSlotsInFlight; ++b) {
+      if (j0 + b >= K) break;
+      const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y[b]);
+#pragma unroll
+      for (int i = 0; i < kCombineCols / 2; ++i) {
+        const float2 v = __bfloat1622float2(pairs[i]);
+        z[2 * i] = fmaf(w[b], v.x, z[2 * i]);
+        z[2 * i + 1] = fmaf(w[b], v.y, z[2 * i + 1]);
+      }
+    }
+  }
+  if (!mine) return;
+  if (nan_row)
+    for (float &v : z) v = __int_as_float(0x7FC00000);
+  __nv_bfloat16 *dst = p.out + (int64_t)(p.tok0 + t) * p.out_ld + c;
+  const float lo[4] = {z[0], z[1], z[2], z[3]}, hi[4] = {z[4], z[5], z[6], z[7]};
+  store_bf16x4(dst, lo);
+  store_bf16x4(dst + 4, hi);
+}
+
+/* Whichever CTA delivers the last expert of (token, tile) combines it (combine_token_tile). */
+__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile) {
+  const int lane = threadIdx.x & 31, tiles_per_row = p.shape.hidden / kMinTileCols;
   __syncwarp();
   int last_token = -1;
   if (lane < unit.count) {
@@ -191,18 +247,7 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   }
   for (int i = 0; i < unit.count; ++i) {
     const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
-    if (t < 0) continue;
-    for (int col = lane; col < cols; col += 32) {
-      const int64_t c = (int64_t)tile * cols + col;
-      float z = 0.0f;
-      for (int j = 0; j < K; ++j) {
-        const int e = r.pair_expert[t * K + j];
-        if (e < 0) { z = __int_as_float(0x7FC00000); break; } /* a bad id: the whole row is NaN */
-        const int hr = hidden_row(r, r.expert_slot[e], t);
-        z = fmaf(p.route_weights[t * p.rw_ld + j], __bfloat162float(__ldcg(p.y + (int64_t)hr * H + c)), z);
-      }
-      p.out[(int64_t)(p.tok0 + t) * p.out_ld + c] = __float2bfloat16_rn(z);
-    }
+    if (t >= 0) combine_token_tile(p, r, t, tile);
   }
 }
 
