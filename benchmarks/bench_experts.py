@@ -107,8 +107,12 @@ def main():
                                   "results/experts-combined-h200.json)")
     args = ap.parse_args()
     results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    record = os.path.join(results, "experts-combined-h200.json" if args.combine else "experts-h200.json")
+    records = {combine: os.path.join(results, name)
+               for combine, name in ((False, "experts-h200.json"), (True, "experts-combined-h200.json"))}
+    record = records[args.combine]
     args.out = args.out or record
+    if os.path.abspath(args.out) == records[not args.combine]:
+        ap.error(f"--out: {os.path.basename(args.out)} is the {'rows' if args.combine else 'combined'} output's record")
     if args.replays < 50:
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
     if args.rounds < 1:

@@ -19,6 +19,11 @@ def _run(script, *args):
 @pytest.mark.parametrize("script, args, message", [
     ("bench_experts.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
     ("bench_experts.py", ["--rounds", "4"], "--rounds: give --out"),
+    ("bench_experts.py", ["--combine", "--batches", "1"], "--batches: give --out"),  # the combined record
+    ("bench_experts.py", ["--combine", "--out", str(ROOT / "benchmarks" / "results" / "experts-h200.json")],
+     "--out: experts-h200.json is the rows output's record"),
+    ("bench_experts.py", ["--out", str(ROOT / "benchmarks" / "results" / "experts-combined-h200.json")],
+     "--out: experts-combined-h200.json is the combined output's record"),
     ("bench_experts.py", ["--rounds", "0", "--out", "x.json"], "--rounds: at least 1"),
     ("bench_experts.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
     ("bench_gemm.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
