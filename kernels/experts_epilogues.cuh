@@ -173,8 +173,9 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 }
 
 /* The combine's columns per lane (one 16-byte load of y a slot) and the slots whose loads a
- * lane has in flight at once. Column by column, with one dependent L2 load after another, the
- * combine cost ~40 us at k3-tp8 B = 1 and ~700 at B = 64, 3-5x the rest of the call (session 45). */
+ * lane has in flight at once (measured at 2; 4 also fits the 80 registers, 8 spills). Column by
+ * column, with one dependent L2 load after another, the combine cost ~40 us at k3-tp8 B = 1 and
+ * ~700 at B = 64, 3-5x the rest of the call (session 45). */
 constexpr int kCombineCols = 8;
 constexpr int kCombineSlotsInFlight = 2;
 
