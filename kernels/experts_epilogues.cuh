@@ -179,8 +179,9 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 constexpr int kCombineCols = 8;
 constexpr int kCombineSlotsInFlight = 2;
 
-/* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column summed in slot order from
- * 0 (bit for bit the order of the reference's loop); a bad id in any slot makes the row NaN. */
+/* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column one fmaf chain from 0 in
+ * slot order (SPEC 3; the chain v78 ran column by column, so the same bits); a bad id in any slot
+ * makes the row NaN. */
 __device__ void combine_token_tile(const Params &p, const Routing &r, int t, int tile) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
   const int cols = p.fc2.strips * kStripRows, col = lane * kCombineCols;
