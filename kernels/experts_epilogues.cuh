@@ -172,17 +172,18 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* The combine's columns per lane (one 16-byte load of y a slot) and the slots whose loads a
- * lane has in flight at once (measured at 2; 4 also fits the 80 registers, 8 spills). Column by
- * column, with one dependent L2 load after another, the combine cost ~40 us at k3-tp8 B = 1 and
- * ~700 at B = 64, 3-5x the rest of the call (session 45). */
-constexpr int kCombineCols = 8;
-constexpr int kCombineSlotsInFlight = 2;
-
 /* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column one fmaf chain from 0 in
  * slot order (SPEC 3; the chain v78 ran column by column, so the same bits); a bad id in any slot
- * makes the row NaN. */
-__device__ void combine_token_tile(const Params &p, const Routing &r, int t, int tile) {
+ * makes the row NaN. Lane l owns the tile's columns 8l .. 8l + 7: it copies them of
+ * kCombineStagedSlots slots into the warp's staging area (its own 16 bytes of each slot's row)
+ * with every copy in flight at once, then sums them from there, so a (token, tile) of up to 16
+ * slots costs one round trip to L2. In registers only 2-4 slots' 16 bytes fit the 80 (8 spill):
+ * v79's 2 took 8 round trips at K = 16, and its combine was 4.6 us over the rows at k3-tp8 B = 1
+ * (column by column, with one dependent load after another, it had cost ~40 us, session 45). */
+constexpr int kCombineCols = 8;
+static_assert(32 * kCombineCols == kMaxTileCols, "a warp's lanes cover the widest tile");
+
+__device__ void combine_token_tile(const Params &p, const Routing &r, int t, int tile, uint32_t staging) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
   const int cols = p.fc2.strips * kStripRows, col = lane * kCombineCols;
   const int64_t c = (int64_t)tile * cols + col;
@@ -199,31 +200,29 @@ __device__ void combine_token_tile(const Params &p, const Routing &r, int t, int
     }
   }
   const bool nan_row = __any_sync(0xFFFFFFFFu, bad);
-  const bool mine = col < cols; /* the lanes past a narrow tile's columns only pass the shuffles on */
+  const bool mine = col < cols && !nan_row; /* lanes past a narrow tile's columns pass the shuffles on */
+  const uint32_t staged = staging + 16 * lane; /* slot b's 16 bytes at + b * kMaxTileCols * 2 */
   float z[kCombineCols] = {};
-  for (int j0 = 0; j0 < K; j0 += kCombineSlotsInFlight) {
-    uint4 y[kCombineSlotsInFlight];
-    float w[kCombineSlotsInFlight];
-#pragma unroll
-    for (int b = 0; b < kCombineSlotsInFlight; ++b) {
-      const int j = j0 + b, row_j = __shfl_sync(0xFFFFFFFFu, row, j & 31);
-      w[b] = __shfl_sync(0xFFFFFFFFu, weight, j & 31);
-      y[b] = make_uint4(0, 0, 0, 0);
-      if (mine && j < K && !nan_row) y[b] = __ldcg(reinterpret_cast<const uint4 *>(p.y + (int64_t)row_j * H + c));
+  for (int j0 = 0; j0 < K; j0 += kCombineStagedSlots) {
+    const int slots = K - j0 < kCombineStagedSlots ? K - j0 : kCombineStagedSlots;
+    for (int b = 0; b < slots; ++b) {
+      const int row_j = __shfl_sync(0xFFFFFFFFu, row, j0 + b);
+      if (mine) copy_async16(staged + b * kMaxTileCols * 2, p.y + (int64_t)row_j * H + c);
     }
-#pragma unroll
-    for (int b = 0; b < kCombineSlotsInFlight; ++b) {
-      if (j0 + b >= K) break;
-      const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y[b]);
+    copy_async_wait_all();
+    for (int b = 0; b < slots; ++b) {
+      const float w = __shfl_sync(0xFFFFFFFFu, weight, j0 + b);
+      const uint4 y = lds128(staged + b * kMaxTileCols * 2);
+      const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y);
 #pragma unroll
       for (int i = 0; i < kCombineCols / 2; ++i) {
         const float2 v = __bfloat1622float2(pairs[i]);
-        z[2 * i] = fmaf(w[b], v.x, z[2 * i]);
-        z[2 * i + 1] = fmaf(w[b], v.y, z[2 * i + 1]);
+        z[2 * i] = fmaf(w, v.x, z[2 * i]);
+        z[2 * i + 1] = fmaf(w, v.y, z[2 * i + 1]);
       }
     }
   }
-  if (!mine) return;
+  if (col >= cols) return;
   if (nan_row)
     for (float &v : z) v = __int_as_float(0x7FC00000);
   __nv_bfloat16 *dst = p.out + (int64_t)(p.tok0 + t) * p.out_ld + c;
@@ -233,7 +232,8 @@ __device__ void combine_token_tile(const Params &p, const Routing &r, int t, int
 }
 
 /* Whichever CTA delivers the last expert of (token, tile) combines it (combine_token_tile). */
-__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile) {
+__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile,
+                                     uint32_t staging) {
   const int lane = threadIdx.x & 31, tiles_per_row = p.shape.hidden / kMinTileCols;
   __syncwarp();
   int last_token = -1;
@@ -249,7 +249,7 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   }
   for (int i = 0; i < unit.count; ++i) {
     const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
-    if (t >= 0) combine_token_tile(p, r, t, tile);
+    if (t >= 0) combine_token_tile(p, r, t, tile, staging);
   }
 }
 
@@ -263,6 +263,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
+  const uint32_t staging = smem_addr(smem + p.smem.combine) + e * kCombineStagingBytes;
   KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
@@ -285,7 +286,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
     if (!ref.fc1) {
-      if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile);
+      if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile, staging);
     } else if (!kTagged) {
       if (publish_fc1_tile(p, unit, ref, call)) KX_MARK_TILE_NS_BY_IF(lane == 0, index, kMarkTileReleased);
     }

@@ -66,6 +66,11 @@ constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 constexpr int kStageActOffset = kStageWeightBytes;
 constexpr int kStageBytes = kStageActOffset + kStageActBytes;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 output columns */
+constexpr int kMaxTileCols = kConsumerWarps * kStripRows;
+/* The combine (experts_epilogues.cuh) stages the slots' rows of a (token, tile) in shared
+ * memory, this many slots at a time, one area per epilogue warp. */
+constexpr int kCombineStagedSlots = 16;
+constexpr int kCombineStagingBytes = kCombineStagedSlots * kMaxTileCols * 2;
 /* Launches of a few tokens keep x in every CTA's shared memory, where the MMA warps read
  * it (local x): no grid-wide wait for x and no copies of it. A row holds all of x's
  * f16 blocks, pitched like a stage's activation row. */
@@ -180,6 +185,7 @@ struct SmemLayout {
   int ring, full, empty, parked, freed, reduce, call, released, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals, unit_pairs;
+  int combine;
   int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
   int bytes;
 };
@@ -220,6 +226,7 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.expert_id = take(2 * pairs, 2);
   L.unit_expert = take(2 * max_units_for(pairs), 2);
   L.unit_group = take(max_units_for(pairs), 1);
+  L.combine = take(kCombineStagingBytes * kMaxEpilogueWarps, 16);
   /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
   L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
   const int x_at = (int)align128(at), fit = (kSmemBudget - x_at - kLocalXOverread) / local_x_pitch(hidden);
