@@ -241,12 +241,10 @@ __device__ void combine_ready_tokens(const Params &p, const Routing &r, const Un
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
     int *count = &p.combine_count[t * tiles_per_row + tile];
-    fence_acq_rel_gpu();
-    if (atomicAdd(count, 1) == r.token_experts[t] - 1) {
+    if (atomic_add_acq_rel_gpu(count, 1) == r.token_experts[t] - 1) {
       *count = 0; /* every arrival is in: the counter is ours to reset */
       last_token = t;
     }
-    fence_acq_rel_gpu();
   }
   for (int i = 0; i < unit.count; ++i) {
     const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
