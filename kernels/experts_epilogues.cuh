@@ -179,7 +179,7 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
  * with every copy in flight at once, then sums them from there, so a (token, tile) of up to 16
  * slots costs one round trip to L2. In registers only 2-4 slots' 16 bytes fit the 80 (8 spill):
  * v79's 2 took 8 round trips at K = 16, 4 would take 4. Staged, the combined call is -8.8 % at
- * k3-tp8 B = 1 and -6 % at B = 64 beside v79, -3 to -4 % for 4 in registers (session 46; column
+ * k3-tp8 B = 1 and -6 % at B = 64 beside v79, -3 to -7 % for 4 in registers (session 46; column
  * by column, one dependent load after another, it had cost ~40 us at B = 1, session 45). */
 constexpr int kCombineCols = 8;
 static_assert(32 * kCombineCols == kMaxTileCols, "a warp's lanes cover the widest tile");
