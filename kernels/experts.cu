@@ -267,12 +267,13 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   *config = kx_moe_config{};
   if (!shape_ok(*shape)) return cudaErrorInvalidValue;
   const int tokens = launch_tokens_for(*shape);
-  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens), shape->hidden);
+  /* a layer may run either output mode: the larger plan (combined) sets the kernels' limit */
+  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens), shape->hidden, true);
   int sms = 0, max_smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (L.bytes > max_smem || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
+  if (L.bytes > max_smem || L.combine_slots < 1 || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
   for (int kind = 0; kind < kLaunchKinds; ++kind) {
     /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
      * layer configured later cannot break a larger one */
@@ -308,7 +309,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   p.fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   const int pairs = launch_pairs(s, a->config.chunk_tokens);
-  p.smem = smem_layout(s.experts, pairs, s.hidden);
+  p.smem = smem_layout(s.experts, pairs, s.hidden, a->route_weights != nullptr);
   p.packed = (const uint8_t *)a->packed;
   p.out = (__nv_bfloat16 *)a->out;
   p.out_ld = a->out_row_stride;

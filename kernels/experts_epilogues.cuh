@@ -174,13 +174,14 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 
 /* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column one fmaf chain from 0 in
  * slot order (SPEC 3; the chain v78 ran column by column, so the same bits); a bad id in any slot
- * makes the row NaN. Lane l owns the tile's columns 8l .. 8l + 7: it copies them of
- * kCombineStagedSlots slots into the warp's staging area (its own 16 bytes of each slot's row)
- * with every copy in flight at once, then sums them from there, so a (token, tile) of up to 16
- * slots costs one round trip to L2. In registers only 2-4 slots' 16 bytes fit the 80 (8 spill):
- * v79's 2 took 8 round trips at K = 16, 4 would take 4. Staged, the combined call is -8.8 % at
- * k3-tp8 B = 1 and -6 % at B = 64 beside v79, -3 to -7 % for 4 in registers (session 46; column
- * by column, one dependent load after another, it had cost ~40 us at B = 1, session 45). */
+ * makes the row NaN. Lane l owns the tile's columns 8l .. 8l + 7: it copies them of up to
+ * p.smem.combine_slots slots (16 where shared memory allows) into the warp's staging area (its
+ * own 16 bytes of each slot's piece) with every copy in flight at once, then sums them from there,
+ * so a (token, tile) of up to 16 slots costs one round trip to L2. In registers only 2-4 slots'
+ * 16 bytes fit the 80 (8 spill): v79's 2 took 8 round trips at K = 16, 4 would take 4. Staged,
+ * the combined call is -8.8 % at k3-tp8 B = 1 and -6 % at B = 64 beside v79, -3 to -7 % for 4 in
+ * registers (session 46; column by column, one dependent load after another, it had cost ~40 us
+ * at B = 1, session 45). */
 constexpr int kCombineCols = 8;
 static_assert(32 * kCombineCols == kMaxTileCols, "a warp's lanes cover the widest tile");
 
@@ -202,18 +203,19 @@ __device__ void combine_token_tile(const Params &p, const Routing &r, int t, int
   }
   const bool nan_row = __any_sync(0xFFFFFFFFu, bad);
   const bool mine = col < cols && !nan_row; /* lanes past a narrow tile's columns pass the shuffles on */
-  const uint32_t staged = staging + 16 * lane; /* slot b's 16 bytes at + b * kMaxTileCols * 2 */
+  const uint32_t staged = staging + 16 * lane; /* slot b's 16 bytes at + b * kCombineSlotBytes */
+  const int staged_slots = p.smem.combine_slots;
   float z[kCombineCols] = {};
-  for (int j0 = 0; j0 < K; j0 += kCombineStagedSlots) {
-    const int slots = K - j0 < kCombineStagedSlots ? K - j0 : kCombineStagedSlots;
+  for (int j0 = 0; j0 < K; j0 += staged_slots) {
+    const int slots = K - j0 < staged_slots ? K - j0 : staged_slots;
     for (int b = 0; b < slots; ++b) {
       const int row_j = __shfl_sync(0xFFFFFFFFu, row, j0 + b);
-      if (mine) copy_async16(staged + b * kMaxTileCols * 2, p.y + (int64_t)row_j * H + c);
+      if (mine) copy_async16(staged + b * kCombineSlotBytes, p.y + (int64_t)row_j * H + c);
     }
     copy_async_wait_all();
     for (int b = 0; b < slots; ++b) {
       const float w = __shfl_sync(0xFFFFFFFFu, weight, j0 + b);
-      const uint4 y = lds128(staged + b * kMaxTileCols * 2);
+      const uint4 y = lds128(staged + b * kCombineSlotBytes);
       const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y);
 #pragma unroll
       for (int i = 0; i < kCombineCols / 2; ++i) {
@@ -262,7 +264,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
-  const uint32_t staging = smem_addr(smem + p.smem.combine) + e * kCombineStagingBytes;
+  const uint32_t staging = smem_addr(smem + p.smem.combine) + e * p.smem.combine_slots * kCombineSlotBytes;
   KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */

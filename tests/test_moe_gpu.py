@@ -159,6 +159,28 @@ def test_small_shapes_gpu(kx, shape):
         check_close(z, ref.combine_rows(want, rw), what + " combined")
 
 
+# local x takes most of shared memory at this H, so a combined launch stages only 4 of its 16
+# slots at a time (experts_layout.cuh: smem_layout leaves the combine what local x does not take)
+FEW_STAGED_SLOTS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_scale="rceil")
+
+
+def test_combine_in_rounds_of_staged_slots(kx):
+    """The combine over several rounds of staged slots (fewer staged than top-k) gives the
+    reference's output and the slot-order sum of the layer's own rows, with local x (B = 1)
+    and without."""
+    layer = _small_layer(kx, FEW_STAGED_SLOTS)
+    for B in (1, 2, 64):
+        seed = seed_of("few-staged-slots", B)
+        x, ids, rw = _inputs(layer, B, seed)
+        what = f"{layer.describe()} B={B} seed={seed}"
+        rows = layer.run(x, ids)
+        sync_or_die(what)
+        z = layer.run(x, ids, rw)
+        sync_or_die(what)
+        check_close(z, ref.combine_rows(layer.reference(x, ids), rw), what + " combined")
+        check_combined_matches_rows(z, rows, rw, what)
+
+
 def test_one_stage_tiles_many_launches(kx):
     """The shape whose every tile is one ring stage (H = 64, I = 32) with the most units
     (E = 4096; B = 300 is five launches of 64 tokens): the MMA warps run through stages
