@@ -160,30 +160,39 @@ struct ConsumerRing {
   RingPos epilogue; /* the epilogue warp (stage) that takes the next tile's sums */
 };
 
-/* Hands a tile's partial sums to the next epilogue warp in turn. */
+/* Hands a tile to the next epilogue warp in turn, with its partial sums unless the MMA warps
+ * stored its rows themselves (sums = false). */
 template <class Ring>
-__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &ring, const float (&acc)[4]) {
+__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &ring, const float (&acc)[4],
+                                         bool sums = true) {
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const int e = ring.epilogue.stage;
   mbar_wait(&freed[e], ring.epilogue.parity ^ 1);
-  park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
+  if (sums) park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
   ring.epilogue.advance(Ring::kEpilogueWarps);
 }
 
 /* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
- * strip: no partial sums to add). Lanes t = 0 hold MMA column 0 (the token): rows g and
+ * strip: no partial sums to add): to each of the token's slots in the mask `where`, or,
+ * combined, to y's hidden row `where`. Lanes t = 0 hold MMA column 0 (the token): rows g and
  * g + 8. The values are store_fc2_sums' bit for bit (0 + sum, times the row multiplier). */
-__device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint32_t slots, const float (&acc)[4]) {
+__device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint32_t where, const float (&acc)[4]) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k;
   if (lane & 3) return;
   const int col = (tile * kConsumerWarps + (int)(threadIdx.x >> 5)) * kStripRows + (lane >> 2);
   const float mult = row_multiplier(0);
   const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult);
   const __nv_bfloat16 hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
-  for (uint32_t m = slots; m != 0; m &= m - 1) {
+  if (p.route_weights) {
+    __nv_bfloat16 *row = p.y + (int64_t)where * p.shape.hidden + col;
+    row[0] = lo;
+    row[8] = hi;
+    return;
+  }
+  for (uint32_t m = where; m != 0; m &= m - 1) {
     __nv_bfloat16 *row = p.out + ((int64_t)p.tok0 * K + (__ffs(m) - 1)) * p.out_ld + col;
     row[0] = lo;
     row[8] = hi;
@@ -204,12 +213,13 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
     KX_MARK_TILE_ENTER(index);
     KX_WAITS_DECLARE;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    /* the launch's one token's slots, before the chunks: off the tail. One token routes in one
-     * warp, so unit u is compact expert u and its pairs are the token's slots (a scan of the K
-     * slots here, on all 16 MMA warps at once, took B = 1's MMA warps ~0.7 kcycles a tile) */
+    /* where the launch's one token's rows go, before the chunks: off the tail. One token routes
+     * in one warp, so unit u is compact expert u and its pairs are the token's slots (a scan of
+     * the K slots here, on all 16 MMA warps at once, took B = 1's MMA warps ~0.7 kcycles a tile);
+     * combined, its hidden row */
     const int unit = direct ? p.fc2.per_tiles(index - cp.fc1_tiles) : 0;
     const int tile = index - cp.fc1_tiles - unit * p.fc2.tiles;
-    const uint32_t slots = direct ? r.unit_pairs[unit] : 0;
+    const uint32_t where = !direct ? 0 : p.route_weights ? (uint32_t)hidden_row(r, unit, 0) : r.unit_pairs[unit];
     KX_MARK_TILE(index, kMarkTileStart);
     KX_MARK_TILE_AFTER(mbar_wait(&ring.full[ring.pos.stage], ring.pos.parity), index, kMarkTileData);
     uint32_t x_chunk = cp.x_local; /* local x: chunk c's blocks */
@@ -230,8 +240,8 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
     }
     KX_MARK_TILE(index, kMarkTileSums);
     KX_MARK_TILE_WAITS(index, cp.full_chunks + (cp.short_last ? 1 : 0));
-    if (direct) store_token_rows(p, tile, slots, acc);
-    else hand_off(p, smem, ring, acc);
+    if (direct) store_token_rows(p, tile, where, acc);
+    if (!direct || p.route_weights) hand_off(p, smem, ring, acc, !direct);
     KX_MARK_TILE(index, kMarkTileDone);
   }
   return index; /* the first of the CTA's tiles at or past end: the next phase's first */

@@ -274,11 +274,11 @@ struct Params {
 
 /* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
  * warp: one-token launches (tagged, block-scaled hidden rows) with one MMA warp per FC2 strip, so
- * there are no partial sums to add, and no combine (its counters are the epilogue warps').
- * The hop through an epilogue warp is the call's last step there (session 28: -2.3 % at
- * B = 1 without it). */
+ * there are no partial sums to add. The hop through an epilogue warp is the call's last step
+ * there (session 28: -2.3 % at B = 1 without it); combined, an epilogue warp still takes each
+ * FC2 tile, without sums, for the combine's counter. */
 __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
-  return one_token && p.fc2.strips == kConsumerWarps && p.route_weights == nullptr;
+  return one_token && p.fc2.strips == kConsumerWarps;
 }
 
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
