@@ -40,9 +40,9 @@
  *      the unit's hidden rows, or (tagged) the activation producers take the chunks in turn
  *      and poll the tagged words of each chunk's blocks (the weights are already on their
  *      way); bf16 results go to every slot that routed the token there (one token and one
- *      MMA warp per strip: from the MMA warps themselves, no epilogue). Combined output:
- *      each (token, column tile) counts arrivals and the last arriving CTA sums the slots
- *      in slot order.
+ *      MMA warp per strip: from the MMA warps themselves). Combined output: each (token,
+ *      column tile) counts arrivals and the last arriving CTA's epilogue warp copies the
+ *      slots' rows into shared memory at once and sums them in slot order.
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.
