@@ -229,6 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       index = consume_phase<kLocalX, kTagged>(p, smem, r, fc1, fc1_tiles, index, fc1 ? fc1_tiles : total_tiles, ring);
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
+    if (p.route_weights && fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
     KX_MARK_NS(kMarkExitNs);
   }
 }
@@ -324,6 +325,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.hq = scratch + S.hq;
   p.h_mult = (float *)(scratch + S.h_mult);
   p.handoff = (unsigned long long *)(scratch + S.handoff);
+  p.row_words = (unsigned long long *)(scratch + S.row_words);
   p.hidden_rows = pairs;
   p.y = (__nv_bfloat16 *)(scratch + S.y);
   p.rw_ld = a->weights_row_stride;

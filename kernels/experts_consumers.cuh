@@ -160,16 +160,14 @@ struct ConsumerRing {
   RingPos epilogue; /* the epilogue warp (stage) that takes the next tile's sums */
 };
 
-/* Hands a tile to the next epilogue warp in turn, with its partial sums unless the MMA warps
- * stored its rows themselves (sums = false). */
+/* Hands a tile's partial sums to the next epilogue warp in turn. */
 template <class Ring>
-__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &ring, const float (&acc)[4],
-                                         bool sums = true) {
+__device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &ring, const float (&acc)[4]) {
   uint64_t *parked = reinterpret_cast<uint64_t *>(smem + p.smem.parked);
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const int e = ring.epilogue.stage;
   mbar_wait(&freed[e], ring.epilogue.parity ^ 1);
-  if (sums) park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
+  park_partials(reinterpret_cast<float *>(smem + p.smem.reduce) + e * kReduceFloats, acc);
   __syncwarp();
   if ((threadIdx.x & 31) == 0) mbar_arrive(&parked[e]);
   ring.epilogue.advance(Ring::kEpilogueWarps);
@@ -177,19 +175,21 @@ __device__ __forceinline__ void hand_off(const Params &p, uint8_t *smem, Ring &r
 
 /* One token's FC2 rows of this warp's strip, stored by the MMA warp itself (one warp per
  * strip: no partial sums to add): to each of the token's slots in the mask `where`, or,
- * combined, to y's hidden row `where`. Lanes t = 0 hold MMA column 0 (the token): rows g and
- * g + 8. The values are store_fc2_sums' bit for bit (0 + sum, times the row multiplier). */
-__device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint32_t where, const float (&acc)[4]) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+ * combined, as hidden row `where`'s tagged row words. Lanes t = 0 hold MMA column 0 (the
+ * token): rows g and g + 8. The values are store_fc2_sums' bit for bit (0 + sum, times the row
+ * multiplier). */
+__device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint32_t where, const float (&acc)[4],
+                                                 unsigned long long call) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k, strip = tile * kConsumerWarps + (int)(threadIdx.x >> 5);
   if (lane & 3) return;
-  const int col = (tile * kConsumerWarps + (int)(threadIdx.x >> 5)) * kStripRows + (lane >> 2);
+  const int col = strip * kStripRows + (lane >> 2);
   const float mult = row_multiplier(0);
   const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult);
   const __nv_bfloat16 hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
   if (p.route_weights) {
-    __nv_bfloat16 *row = p.y + (int64_t)where * p.shape.hidden + col;
-    row[0] = lo;
-    row[8] = hi;
+    const uint32_t bits = (uint32_t)__bfloat16_as_ushort(lo) | (uint32_t)__bfloat16_as_ushort(hi) << 16;
+    store_relaxed(p.row_words + (int64_t)where * (p.shape.hidden / 2) + strip * 8 + (lane >> 2),
+                  call << 32 | bits);
     return;
   }
   for (uint32_t m = where; m != 0; m &= m - 1) {
@@ -197,6 +197,72 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
     row[0] = lo;
     row[8] = hi;
   }
+}
+
+/* The combine of a one-token combined launch (SPEC 3 step 6) by the MMA warps of the CTA that
+ * stored the last unit's FC2 tile of a column tile: warp w sums strip w's 16 columns over the token's
+ * slots, in slot order, from their tagged row words, polled until each carries the call's tag.
+ * In rounds of 16 slots, lane (g, q) holds slots q, q + 4, q + 8, q + 12 of the round for
+ * columns g and g + 8, and lanes q = 0 sum them (the fmaf chain of combine_token_tile, so the
+ * same bits). A CTA waits here after its tiles, for FC2 tiles that other CTAs reach without
+ * waiting on it, so the grid cannot deadlock. */
+__device__ void combine_strip_by_tags(const Params &p, const Routing &r, int tile, unsigned long long call) {
+  constexpr int kSlotsPerLane = 4; /* 16 slots a round over the lanes q = 0..3 */
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, K = p.shape.top_k;
+  const int strip = tile * kConsumerWarps + (int)(threadIdx.x >> 5), words_per_row = p.shape.hidden / 2;
+  bool bad = false;
+  for (int j = q; j < K; j += 4) bad |= r.pair_expert[j] < 0;
+  const bool nan_row = __any_sync(0xFFFFFFFFu, bad);
+  float lo = 0.0f, hi = 0.0f;
+  for (int j0 = 0; j0 < K && !nan_row; j0 += 4 * kSlotsPerLane) {
+    uint32_t v[kSlotsPerLane] = {};
+    uint32_t at[kSlotsPerLane]; /* slot j0 + q + 4 i's word, in row_words (< kRowWords) */
+    uint32_t pending = 0; /* bit i: slot j0 + q + 4 i, whose word has not shown the call's tag yet */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) {
+      const int j = j0 + q + 4 * i;
+      pending |= (uint32_t)(j < K) << i;
+      const int row = j < K ? hidden_row(r, r.expert_slot[r.pair_expert[j]], 0) : 0;
+      at[i] = (uint32_t)(row * words_per_row + strip * 8 + g);
+    }
+    while (__any_sync(0xFFFFFFFFu, pending != 0)) {
+      unsigned long long word[kSlotsPerLane];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i) /* every pending load in flight at once */
+        if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i)
+        if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
+          v[i] = (uint32_t)word[i];
+          pending &= ~(1u << i);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i)
+#pragma unroll
+      for (int jq = 0; jq < 4; ++jq) {
+        const int j = j0 + 4 * i + jq;
+        const uint32_t bits = __shfl_sync(0xFFFFFFFFu, v[i], g * 4 + jq);
+        if (j >= K) continue;
+        const float w = __ldg(&p.route_weights[j]);
+        lo = fmaf(w, __bfloat162float(__ushort_as_bfloat16((unsigned short)bits)), lo);
+        hi = fmaf(w, __bfloat162float(__ushort_as_bfloat16((unsigned short)(bits >> 16))), hi);
+      }
+  }
+  if (q != 0) return;
+  __nv_bfloat16 *dst = p.out + (int64_t)p.tok0 * p.out_ld + strip * kStripRows + g;
+  dst[0] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(lo);
+  dst[8] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(hi);
+}
+
+/* The combines this CTA's MMA warps owe (combine_strip_by_tags): its tiles of the last unit,
+ * after all its tiles (at B = 1 they are its last ones; the loop's registers are free again). */
+__device__ __forceinline__ void combine_last_unit_by_tags(const Params &p, const Routing &r, int fc1_tiles,
+                                                          unsigned long long call) {
+  const int units = r.totals[1], first = fc1_tiles + (units - 1) * p.fc2.tiles, end = first + p.fc2.tiles;
+  if (units == 0) return;
+  for (int index = first + (blockIdx.x + gridDim.x - first % gridDim.x) % gridDim.x; index < end; index += gridDim.x)
+    combine_strip_by_tags(p, r, index - first, call);
 }
 
 /* This CTA's tiles index, index + grid, ... < end, all of one phase: the loop holds no
@@ -240,8 +306,8 @@ __device__ __forceinline__ int consume_phase_tiles(const Params &p, uint8_t *sme
     }
     KX_MARK_TILE(index, kMarkTileSums);
     KX_MARK_TILE_WAITS(index, cp.full_chunks + (cp.short_last ? 1 : 0));
-    if (direct) store_token_rows(p, tile, where, acc);
-    if (!direct || p.route_weights) hand_off(p, smem, ring, acc, !direct);
+    if (direct) store_token_rows(p, tile, where, acc, *reinterpret_cast<const unsigned long long *>(smem + p.smem.call));
+    else hand_off(p, smem, ring, acc);
     KX_MARK_TILE(index, kMarkTileDone);
   }
   return index; /* the first of the CTA's tiles at or past end: the next phase's first */

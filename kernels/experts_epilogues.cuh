@@ -268,8 +268,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
-  const bool fc2_rows_stored = fc2_rows_by_mma_warps(p, kLocalX); /* combined: the tiles still come here */
-  const int end = fc2_rows_stored && !p.route_weights ? fc1_tiles : total_tiles;
+  const int end = fc2_rows_by_mma_warps(p, kLocalX) ? fc1_tiles : total_tiles;
   for (int index = blockIdx.x; index < end; index += gridDim.x, slot.advance(R::kEpilogueWarps)) {
     if (slot.stage != e) continue;
     const TileRef ref = tile_ref(p, index, fc1_tiles);
@@ -280,7 +279,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
     if (kLocalX && ref.fc1) tt.mult = local_x_mult[0]; /* the launch's one token, in every lane */
     if (ref.fc1) store_fc1_sums<kLocalX, kTagged>(p, reduce, unit, ref, tt, call);
-    else if (!fc2_rows_stored) store_fc2_sums(p, reduce, unit, ref, tt);
+    else store_fc2_sums(p, reduce, unit, ref, tt);
     KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
     KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileEpilogue);
     __syncwarp();

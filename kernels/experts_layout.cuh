@@ -136,6 +136,17 @@ KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s, int tokens) {
   return (int64_t)tokens * s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks;
 }
 
+/* One-token combined launches hand FC2's rows to their combiner as tagged row words, as FC1
+ * hands its hidden blocks to FC2: word (r, w) holds hidden row r's columns 16 (w / 8) + w % 8 and
+ * that + 8 as bf16 (the MMA fragment's rows g and g + 8) in its low 32 bits, the call number's
+ * low 32 bits above them. A 64-bit store is single-copy atomic, so a word with the call's tag
+ * holds the call's data: no fence, counter or copy between the rows and the combine, which
+ * cost ~2.4 us of k3-tp8 B = 1 combined (session 46, probes NC / NA). Tags repeat only 2^32
+ * calls apart. Fixed in size and offset for every shape (scratch_layout), so that nothing but
+ * tagged words is ever read there; shapes with more than top_k x H = 2^18 take the counter. */
+constexpr int kRowWords = (1 << 18) / 2;
+KX_HOST_DEVICE bool row_words_fit(const kx_moe_shape &s) { return (int64_t)s.top_k * s.hidden <= 2 * kRowWords; }
+
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
 constexpr int kMaxUnits = max_units_for(kMaxPairs);
@@ -155,7 +166,7 @@ struct SyncWords {
 };
 
 struct ScratchLayout {
-  int64_t sync, handoff, combine_count, xq, x_mult, h, hq, h_mult, y, total;
+  int64_t sync, handoff, row_words, combine_count, xq, x_mult, h, hq, h_mult, y, total;
 };
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
@@ -171,6 +182,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   int64_t at = 0;
   L.sync = at; at = align128(at + sizeof(SyncWords));
   L.handoff = at; at = align128(at + 8 * (int64_t)kHandoffBlocks * kHandoffWordsPerBlock); /* every shape's */
+  L.row_words = at; at = align128(at + 8 * (int64_t)kRowWords);                             /* likewise */
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
   L.x_mult = at; at = align128(at + 4 * (int64_t)launch_tokens);
@@ -269,16 +281,17 @@ struct Params {
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *h_mult;   /* per hidden row: 2^(R + 14) */
   unsigned long long *handoff; /* tagged launches' hidden blocks as tagged words */
+  unsigned long long *row_words; /* one-token combined launches' FC2 rows as tagged words */
   __nv_bfloat16 *y;
 };
 
 /* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
  * warp: one-token launches (tagged, block-scaled hidden rows) with one MMA warp per FC2 strip, so
- * there are no partial sums to add. The hop through an epilogue warp is the call's last step
- * there (session 28: -2.3 % at B = 1 without it); combined, an epilogue warp still takes each
- * FC2 tile, without sums, for the combine's counter. */
+ * there are no partial sums to add; combined, as tagged row words (row_words_fit), which the MMA
+ * warps of the last unit's tiles combine (combine_strip_by_tags). The hop through an epilogue
+ * warp is the call's last step there (session 28: -2.3 % at B = 1 without it). */
 __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
-  return one_token && p.fc2.strips == kConsumerWarps;
+  return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape));
 }
 
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
