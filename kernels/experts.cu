@@ -42,7 +42,9 @@
  *      way); bf16 results go to every slot that routed the token there (one token and one
  *      MMA warp per strip: from the MMA warps themselves). Combined output: each (token,
  *      column tile) counts arrivals and the last arriving CTA's epilogue warp copies the
- *      slots' rows into shared memory at once and sums them in slot order.
+ *      slots' rows into shared memory at once and sums them in slot order; one-token
+ *      launches store the rows as tagged words instead, which the MMA warps of each last
+ *      unit's tile poll and sum (combine_strip_by_tags).
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.
