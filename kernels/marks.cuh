@@ -26,8 +26,8 @@ enum MarkSlot {
   kMarkFc1Done,     /* the MMA warps left FC1's tiles */
   kMarkFc2Planned,  /* the MMA warps' FC2 plan is made, before its first stage wait */
   kMarkExit,        /* the MMA warps' last tile is handed off */
-  kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and at kMarkExit: the CTAs on one clock */
-  kMarkExitNs,
+  kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and when the MMA warps are done (after a one-token */
+  kMarkExitNs,      /* combine's sums, combine_last_unit_by_tags): the CTAs on one clock */
   kMarkNanDone,     /* write_nan_rows is done (stamped by a warp that writes them) */
   kMarkFc1Planned,  /* the MMA warps' FC1 plan is made */
   kMarkFirstCopy,   /* the weight warp issued its first copy */
