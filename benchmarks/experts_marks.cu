@@ -7,7 +7,7 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
  *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
- *                                      [--inputs cold|hot|near]
+ *                                      [--inputs cold|hot|near] [--combine]
  *
  * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
  * bench_experts.py, every layer with the same ids (B tokens, distinct experts per token), so
@@ -23,7 +23,9 @@
  * so the layer finds them in L2 (the time per layer then includes that launch); cold (the
  * default, as bench_experts.py) leaves them where the other layers' weights pushed them; near
  * puts them right after the scratch, in pages every call touches (is the start's first load
- * slow for its address translation?).
+ * slow for its address translation?). --combine runs the fused combine (random routing weights,
+ * out [B, H]); the last CTAs then show when their MMA warps left their tiles and, in one-token
+ * launches, when they had the row words to combine.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -73,10 +75,13 @@ int main(int argc, char **argv) {
   kx_moe_shape s = {384, 3584, 384, 16};
   const char *name = "k3-tp8";
   int batch = 1, last = 12;
-  bool hot_inputs = false, near_inputs = false;
+  bool hot_inputs = false, near_inputs = false, combine = false;
   for (int i = 1; i < argc; i += 2) {
     const char *value = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
+    if (!strcmp(argv[i], "--combine")) {
+      combine = true;
+      --i; /* a flag: no value */
+    } else if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
       s.inter = 192;
       name = "tp16";
     } else if (!strcmp(argv[i], "--batch") && atoi(value) > 0) {
@@ -88,7 +93,8 @@ int main(int argc, char **argv) {
       hot_inputs = !strcmp(value, "hot");
       near_inputs = !strcmp(value, "near");
     } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
-      fprintf(stderr, "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near)\n",
+      fprintf(stderr,
+              "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near, --combine)\n",
               argv[i], value);
       return 2;
     }
@@ -118,6 +124,8 @@ int main(int argc, char **argv) {
   std::vector<uint16_t> xh((size_t)batch * H);
   for (auto &v : xh) v = (uint16_t)(0x3F80u + rng() % 64); /* bf16 in [1, 1.5) */
   std::vector<int32_t> ids((size_t)batch * K);
+  std::vector<float> route_weights((size_t)batch * K);
+  for (auto &w : route_weights) w = (float)(rng() % 1024) / 1024.0f;
   std::vector<int> perm(E);
   for (int t = 0; t < batch; ++t) {
     for (int e = 0; e < E; ++e) perm[e] = e;
@@ -131,13 +139,14 @@ int main(int argc, char **argv) {
   const size_t x_bytes = xh.size() * 2, ids_bytes = ids.size() * 4, near_at = (scratch_bytes + 255) / 256 * 256;
   const size_t ids_near = near_at + (x_bytes + 255) / 256 * 256;
   Dev scratch(near_inputs ? ids_near + ids_bytes : scratch_bytes), dx(x_bytes), dids(ids_bytes),
-      dout((size_t)batch * K * H * 2);
+      dweights(route_weights.size() * 4), dout((size_t)batch * K * H * 2);
   uint16_t *x_at = near_inputs ? (uint16_t *)(scratch.as<uint8_t>() + near_at) : dx.as<uint16_t>();
   int32_t *ids_at = near_inputs ? (int32_t *)(scratch.as<uint8_t>() + ids_near) : dids.as<int32_t>();
   /* everything on `stream`: a non-blocking stream does not wait for the legacy default one */
   CHECK(cudaMemsetAsync(scratch.p, 0, scratch_bytes, stream));
   CHECK(cudaMemcpyAsync(x_at, xh.data(), x_bytes, cudaMemcpyHostToDevice, stream));
   CHECK(cudaMemcpyAsync(ids_at, ids.data(), ids_bytes, cudaMemcpyHostToDevice, stream));
+  CHECK(cudaMemcpyAsync(dweights.p, route_weights.data(), route_weights.size() * 4, cudaMemcpyHostToDevice, stream));
   CHECK(cudaStreamSynchronize(stream));
   std::vector<kx_moe_args> args(layers);
   for (int l = 0; l < layers; ++l) {
@@ -153,6 +162,10 @@ int main(int argc, char **argv) {
     a.ids_row_stride = K;
     a.out = dout.as<uint16_t>();
     a.out_row_stride = H;
+    if (combine) { /* out [B, H] */
+      a.route_weights = dweights.as<float>();
+      a.weights_row_stride = K;
+    }
     a.batch = batch;
     /* bench_experts.py's caps (the library's defaults): uncapped, these random weights' FC1 sums
      * overflow expf(-z) and send SiTU's division down its slow path, which real layers do not take */
@@ -225,8 +238,8 @@ int main(int argc, char **argv) {
     return v ? (double)(long long)(v - m[(size_t)c * kMarkSlots + kMarkWaited]) / 1000.0 : -1.0;
   };
 
-  printf("%s B=%d, %s inputs: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name, batch,
-         hot_inputs ? "hot" : near_inputs ? "near" : "cold", us, layers, grid);
+  printf("%s B=%d, %s inputs, %s: %.2f us per layer (graph of %d rotated layers, median of 60), grid %d\n", name,
+         batch, hot_inputs ? "hot" : near_inputs ? "near" : "cold", combine ? "combined" : "rows", us, layers, grid);
   printf("the first CTA past the predecessor wait to the last exit: %.2f us (globaltimer)\n", (done - waited) / 1000.0);
   const char *names[] = {"entry (< 0)",    "barriers (< 0)", "warmed (< 0)",   "prologue (< 0)", "router tables",
                          "router synced",  "weights enter",  "weights looked", "first copy",     "routed",
@@ -370,12 +383,15 @@ int main(int argc, char **argv) {
   }
   printf("CTAs past their wait > 0.25 us after the first: %d; entered after the first wait: %d\n", late_waits,
          entered_after);
-  printf("the 24 CTAs that exit last (us after the first wait: entry, wait, exit; chunks):\n");
+  printf("the 24 CTAs that exit last (us after the first wait: entry, wait, tiles done, the combine's first poll back,"
+         " its words seen (polls), summed, exit; chunks):\n");
+  const auto ns_after = [&](int c, int slot) { return ns(c, slot) ? (ns(c, slot) - (double)waited) / 1000.0 : -1.0; };
   for (int i = 0; i < 24 && i < grid; ++i) {
     const int c = order[i];
-    printf("  cta %3d: %6.2f %5.2f %6.2f  %2d%s", c, ((double)ns(c, kMarkEntryNs) - (double)waited) / 1000.0,
-           (ns(c, kMarkWaitedNs) - waited) / 1000.0, (ns(c, kMarkExitNs) - waited) / 1000.0, chunks_of(c),
-           i % 4 == 3 ? "\n" : " |");
+    printf("  cta %3d: %6.2f %5.2f %6.2f %6.2f %6.2f (%llu) %6.2f %6.2f  %2d%s", c, ns_after(c, kMarkEntryNs),
+           ns_after(c, kMarkWaitedNs), ns_after(c, kMarkTilesDoneNs), ns_after(c, kMarkCombinePolledNs),
+           ns_after(c, kMarkCombineSeenNs), ns(c, kMarkCombinePolls), ns_after(c, kMarkCombineSummedNs),
+           ns_after(c, kMarkExitNs), chunks_of(c), i % 2 == 1 ? "\n" : " |");
   }
   for (Dev *d : packed) delete d;
   return 0;

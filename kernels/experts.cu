@@ -231,6 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       index = consume_phase<kLocalX, kTagged>(p, smem, r, fc1, fc1_tiles, index, fc1 ? fc1_tiles : total_tiles, ring);
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
+    KX_MARK_NS(kMarkTilesDoneNs);
     if (p.route_weights && fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
     KX_MARK_NS(kMarkExitNs);
   }

@@ -225,6 +225,7 @@ __device__ void combine_strip_by_tags(const Params &p, const Routing &r, int til
       const int row = j < K ? hidden_row(r, r.expert_slot[r.pair_expert[j]], 0) : 0;
       at[i] = (uint32_t)(row * words_per_row + strip * 8 + g);
     }
+    int polls = 0; /* marks builds */
     while (__any_sync(0xFFFFFFFFu, pending != 0)) {
       unsigned long long word[kSlotsPerLane];
 #pragma unroll
@@ -236,7 +237,10 @@ __device__ void combine_strip_by_tags(const Params &p, const Routing &r, int til
           v[i] = (uint32_t)word[i];
           pending &= ~(1u << i);
         }
+      if (polls++ == 0 && pending != ~0u) KX_MARK_NS(kMarkCombinePolledNs); /* after the loads: pending is theirs */
     }
+    KX_MARK_NS(kMarkCombineSeenNs);
+    KX_MARK_VALUE(kMarkCombinePolls, polls);
 #pragma unroll
     for (int i = 0; i < kSlotsPerLane; ++i)
 #pragma unroll
@@ -249,6 +253,7 @@ __device__ void combine_strip_by_tags(const Params &p, const Routing &r, int til
         hi = fmaf(w, __bfloat162float(__ushort_as_bfloat16((unsigned short)(bits >> 16))), hi);
       }
   }
+  if (__float_as_uint(lo) != ~0u) KX_MARK_NS(kMarkCombineSummedNs); /* after the sums: lo is theirs */
   if (q != 0) return;
   __nv_bfloat16 *dst = p.out + (int64_t)p.tok0 * p.out_ld + strip * kStripRows + g;
   dst[0] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(lo);

@@ -27,7 +27,7 @@ enum MarkSlot {
   kMarkFc2Planned,  /* the MMA warps' FC2 plan is made, before its first stage wait */
   kMarkExit,        /* the MMA warps' last tile is handed off */
   kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and when the MMA warps are done (after a one-token */
-  kMarkExitNs,      /* combine's sums, combine_last_unit_by_tags): the CTAs on one clock */
+  kMarkExitNs,      /* combine's stores, combine_last_unit_by_tags): the CTAs on one clock */
   kMarkNanDone,     /* write_nan_rows is done (stamped by a warp that writes them) */
   kMarkFc1Planned,  /* the MMA warps' FC1 plan is made */
   kMarkFirstCopy,   /* the weight warp issued its first copy */
@@ -50,7 +50,12 @@ enum MarkSlot {
   kMarkXCounted,    /* the MMA warps' thread 0 quantized its rows of x and counted them */
   kMarkPastJoin,    /* the weight warp passed the CTA barrier that joins routing and x */
   kMarkXSeen,       /* activation warp 0 saw every CTA's x counted */
-  kMarkSlots = 29,
+  kMarkTilesDoneNs, /* %globaltimer: the MMA warps left their tiles (before a one-token combine) */
+  kMarkCombinePolledNs, /* ... MMA warp 0's first poll of its last strip's row words returned */
+  kMarkCombineSeenNs, /* ... and it has them all tagged, after kMarkCombinePolls polls (a count) */
+  kMarkCombinePolls,
+  kMarkCombineSummedNs, /* ... and has summed them, before its stores */
+  kMarkSlots = 34,
 };
 
 constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */
@@ -98,6 +103,7 @@ __device__ __forceinline__ void mark_at(int slot, unsigned long long value) {
 
 #define KX_MARK(slot) ::kx::mark_at((slot), clock64())
 #define KX_MARK_NS(slot) ::kx::mark_at((slot), ::kx::global_ns())
+#define KX_MARK_VALUE(slot, value) ::kx::mark_at((slot), (value))
 /* stamped by the calling thread (the caller picks one), if cond */
 #define KX_MARK_BY_IF(cond, slot) \
   do { if (cond) ::kx::mark_by_caller((slot), clock64()); } while (0)
@@ -157,6 +163,7 @@ static __device__ unsigned int g_mark_sink;
 #else
 #define KX_MARK(slot) ((void)0)
 #define KX_MARK_NS(slot) ((void)0)
+#define KX_MARK_VALUE(slot, value) ((void)(value))
 #define KX_MARK_BY_IF(cond, slot) ((void)0)
 #define KX_MARK_BY_IF_AFTER(cond, wait, slot) ((void)0)
 #define KX_MARK_TILE(index, k) ((void)0)
