@@ -140,8 +140,8 @@ KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s, int tokens) {
  * hands its hidden blocks to FC2: word (r, w) holds hidden row r's columns 16 (w / 8) + w % 8 and
  * that + 8 as bf16 (the MMA fragment's rows g and g + 8) in its low 32 bits, the call number's
  * low 32 bits above them. A 64-bit store is single-copy atomic, so a word with the call's tag
- * holds the call's data: no fence, counter or copy between the rows and the combine, which
- * cost ~2.4 us of k3-tp8 B = 1 combined (session 46, probes NC / NA). Tags repeat only 2^32
+ * holds the call's data: no fence, counter or copy between the rows and the combine (v84:
+ * -1.5 % at k3-tp8 B = 1 combined beside the counter path; session 47). Tags repeat only 2^32
  * calls apart. Fixed in size and offset for every shape (scratch_layout), so that nothing but
  * tagged words is ever read there; shapes with more than top_k x H = 2^18 take the counter. */
 constexpr int kRowWords = (1 << 18) / 2;
