@@ -16,9 +16,10 @@ namespace {
 /* z[t, piece's cols]: the warp waits for the piece's counter to hold every valid expert of t (the
  * FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it for the
  * next call, and sums the slots' rows in slot order. Lane l owns columns 4l .. 4l + 3 of the
- * piece; a round's 16 slots' 8-byte loads are all in flight at once (one round trip to L2 for up
- * to 16 slots). The slots' rows and weights are fetched before the wait. */
-constexpr int kCombineRoundSlots = 16;
+ * piece; a round's 8 slots' 8-byte loads are in flight at once (16, one round trip at top-k 16,
+ * spilled and read 1-4 % slower: session 48). The slots' rows and weights are fetched before the
+ * wait. */
+constexpr int kCombineRoundSlots = 8;
 constexpr int kCombineLaneCols = 4;
 
 __device__ void combine_piece(const Params &p, const Routing &r, int t, int piece) {
