@@ -13,17 +13,17 @@ namespace kx {
 namespace {
 
 /* ---- through y, behind the arrival counters --------------------------------------------- */
-/* z[t, piece's cols]: the warp waits for the piece's counter to hold every valid expert of t (the
- * FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it for the
- * next call, and sums the slots' rows in slot order. Lane l owns columns 4l .. 4l + 3 of the
- * piece; a round's 8 slots' 8-byte loads are in flight at once (16, one round trip at top-k 16,
- * spilled and read 1-4 % slower: session 48). The slots' rows and weights are fetched before the
- * wait. */
-constexpr int kCombineRoundSlots = 8;
-constexpr int kCombineLaneCols = 4;
+/* z[t, piece's 64 columns]: the warp waits for the piece's counter to hold every valid expert of
+ * t (the FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it
+ * for the next call, and sums the slots' rows in slot order. Lane l owns columns 2l and 2l + 1;
+ * a round's 16 slots' 4-byte loads are all in flight at once: one round trip to L2 at top-k 16
+ * (128-column pieces took two rounds of 8, 16 of them spilled: +0.7 us at B = 2, session 48).
+ * The slots' rows and weights are fetched before the wait. */
+constexpr int kCombineRoundSlots = 16;
+static_assert(kMinTileCols == 64, "a combine piece: two columns a lane");
 
 __device__ void combine_piece(const Params &p, const Routing &r, int t, int piece) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, cols = combine_piece_cols(p);
+  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
   int row = 0; /* lane j < K: slot j's hidden row and weight */
   float weight = 0.0f;
   if (lane < K) {
@@ -34,39 +34,32 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
     }
   }
   const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot */
-  const int col = kCombineLaneCols * lane;
-  const bool mine = col < cols && !nan_row; /* lanes past a narrow piece's columns pass the shuffles on */
-  const int64_t c = (int64_t)piece * cols + col;
-  int *count = combine_counter(p, t, c - col);
+  const int64_t c = (int64_t)piece * kMinTileCols + 2 * lane;
+  int *count = &p.combine_count[t * (H / kMinTileCols) + piece];
   while ((int)load_acquire(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
   }
   __syncwarp();
   if (lane == 0) *count = 0; /* every lane has seen every arrival: the counter is ours to reset */
-  float z[kCombineLaneCols] = {};
+  float z0 = 0.0f, z1 = 0.0f;
 #pragma unroll 1
   for (int j0 = 0; j0 < K; j0 += kCombineRoundSlots) {
-    uint2 y[kCombineRoundSlots];
+    uint32_t y[kCombineRoundSlots];
 #pragma unroll
     for (int b = 0; b < kCombineRoundSlots; ++b) {
       const int row_j = __shfl_sync(0xFFFFFFFFu, row, (j0 + b) & 31);
-      y[b] = mine && j0 + b < K ? __ldcg(reinterpret_cast<const uint2 *>(p.y + (int64_t)row_j * H + c)) : uint2{};
+      y[b] = !nan_row && j0 + b < K ? __ldcg(reinterpret_cast<const unsigned int *>(p.y + (int64_t)row_j * H + c)) : 0u;
     }
 #pragma unroll
     for (int b = 0; b < kCombineRoundSlots; ++b) {
       const float w = __shfl_sync(0xFFFFFFFFu, weight, (j0 + b) & 31);
       if (j0 + b >= K) break;
-      const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y[b]);
-      const float2 lo = __bfloat1622float2(pairs[0]), hi = __bfloat1622float2(pairs[1]);
-      z[0] = fmaf(w, lo.x, z[0]);
-      z[1] = fmaf(w, lo.y, z[1]);
-      z[2] = fmaf(w, hi.x, z[2]);
-      z[3] = fmaf(w, hi.y, z[3]);
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&y[b]));
+      z0 = fmaf(w, v.x, z0);
+      z1 = fmaf(w, v.y, z1);
     }
   }
-  if (col >= cols) return;
-  if (nan_row)
-    for (float &v : z) v = __int_as_float(0x7FC00000);
-  store_bf16x4(p.out + (int64_t)(p.tok0 + t) * p.out_ld + c, z);
+  if (nan_row) z0 = z1 = __int_as_float(0x7FC00000);
+  store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + c, z0, z1);
 }
 
 /* The launch's (token, piece) items go round every MMA warp of the grid: warp w of CTA b takes
@@ -75,7 +68,7 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
  * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
  * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
 __device__ void combine_by_counts(const Params &p, const Routing &r) {
-  const int pieces = p.shape.hidden / combine_piece_cols(p), items = p.tokens * pieces;
+  const int pieces = p.shape.hidden / kMinTileCols, items = p.tokens * pieces;
   for (int i = blockIdx.x + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
     if (r.token_experts[t] != 0) combine_piece(p, r, t, i - t * pieces); /* else write_nan_rows' */

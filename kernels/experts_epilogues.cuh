@@ -175,12 +175,12 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 /* Combined: each of the tile's tokens counts in at the counters of the tile's combine pieces
  * after the warp's y rows (a release; combine_piece acquires them). A reduction: nothing waits. */
 __device__ void count_combine_arrivals(const Params &p, const Unit &unit, int tile) {
-  const int lane = threadIdx.x & 31, cols = p.fc2.strips * kStripRows, piece_cols = combine_piece_cols(p);
+  const int lane = threadIdx.x & 31, pieces = p.fc2.strips * kStripRows / kMinTileCols;
   __syncwarp();
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
-    for (int col = 0; col < cols; col += piece_cols)
-      red_add_release_gpu(combine_counter(p, t, (int64_t)tile * cols + col), 1);
+    int *count = &p.combine_count[t * (p.shape.hidden / kMinTileCols) + tile * pieces];
+    for (int i = 0; i < pieces; ++i) red_add_release_gpu(count + i, 1);
   }
 }
 

@@ -282,17 +282,6 @@ __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_
   return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape));
 }
 
-/* The combine through y (experts_combine.cuh) works in pieces of a row, 128 columns or the
- * narrower FC2 tile: one per MMA warp, each with its own arrival counter, [token][64 columns]. */
-__device__ __forceinline__ int combine_piece_cols(const Params &p) {
-  const int cols = p.fc2.strips * kStripRows;
-  return cols < 128 ? cols : 128;
-}
-
-__device__ __forceinline__ int *combine_counter(const Params &p, int t, int64_t col) {
-  return &p.combine_count[t * (p.shape.hidden / kMinTileCols) + (int)(col / kMinTileCols)];
-}
-
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
 __device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
   return (int64_t)c * p.hidden_rows + row;
