@@ -36,8 +36,9 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
   const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot */
   const int64_t c = (int64_t)piece * kMinTileCols + 2 * lane;
   int *count = &p.combine_count[t * (H / kMinTileCols) + piece];
-  while ((int)load_acquire(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
+  while ((int)load_relaxed(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
   }
+  fence_acq_rel_gpu(); /* one acquire, not one per poll (each invalidated the SM's L1) */
   __syncwarp();
   if (lane == 0) *count = 0; /* every lane has seen every arrival: the counter is ours to reset */
   float z0 = 0.0f, z1 = 0.0f;

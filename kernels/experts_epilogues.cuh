@@ -173,14 +173,15 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 }
 
 /* Combined: each of the tile's tokens counts in at the counters of the tile's combine pieces
- * after the warp's y rows (a release; combine_piece acquires them). A reduction: nothing waits. */
+ * after the warp's y rows: one fence (a release at each red took a MEMBAR each), then
+ * reductions, which nothing waits for (combine_piece acquires them). */
 __device__ void count_combine_arrivals(const Params &p, const Unit &unit, int tile) {
   const int lane = threadIdx.x & 31, pieces = p.fc2.strips * kStripRows / kMinTileCols;
   __syncwarp();
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
     int *count = &p.combine_count[t * (p.shape.hidden / kMinTileCols) + tile * pieces];
-    for (int i = 0; i < pieces; ++i) red_add_release_gpu(count + i, 1);
+    for (int i = 0; i < pieces; ++i) red_add_relaxed_gpu(count + i, 1);
   }
 }
 
