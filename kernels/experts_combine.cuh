@@ -17,8 +17,8 @@ namespace {
  * t (the FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it
  * for the next call, and sums the slots' rows in slot order. Lane l owns columns 2l and 2l + 1;
  * a round's 16 slots' 4-byte loads are all in flight at once: one round trip to L2 at top-k 16
- * (128-column pieces took two rounds of 8, 16 of them spilled: +0.7 us at B = 2, session 48).
- * The slots' rows and weights are fetched before the wait. */
+ * (pieces of 128 columns, four a lane, spilled with 16 slots a round and read 1.7-2.5 % slower
+ * at B = 2 in rounds of 8, session 48). The slots' rows and weights are fetched before the wait. */
 constexpr int kCombineRoundSlots = 16;
 static_assert(kMinTileCols == 64, "a combine piece: two columns a lane");
 
@@ -38,7 +38,7 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
   int *count = &p.combine_count[t * (H / kMinTileCols) + piece];
   while ((int)load_relaxed(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
   }
-  fence_acq_rel_gpu(); /* one acquire, not one per poll (each invalidated the SM's L1) */
+  fence_acq_rel_gpu(); /* one acquire after the poll: ld.acquire is a load and a CCTL.IVALL of the SM's L1 */
   __syncwarp();
   if (lane == 0) *count = 0; /* every lane has seen every arrival: the counter is ours to reset */
   float z0 = 0.0f, z1 = 0.0f;

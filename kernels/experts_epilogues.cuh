@@ -173,8 +173,9 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 }
 
 /* Combined: each of the tile's tokens counts in at the counters of the tile's combine pieces
- * after the warp's y rows: one fence (a release at each red took a MEMBAR each), then
- * reductions, which nothing waits for (combine_piece acquires them). */
+ * after the warp's y rows: one fence, then reductions, which nothing waits for (combine_piece
+ * acquires them). A release reduction per piece costs a MEMBAR each: +8.7 % at k3-tp8 B = 2,
+ * +12.7 % at TP16 (four pieces a tile), where one fence reads +0.9 / +1.0 % (session 48). */
 __device__ void count_combine_arrivals(const Params &p, const Unit &unit, int tile) {
   const int lane = threadIdx.x & 31, pieces = p.fc2.strips * kStripRows / kMinTileCols;
   __syncwarp();

@@ -66,7 +66,6 @@ constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 constexpr int kStageActOffset = kStageWeightBytes;
 constexpr int kStageBytes = kStageActOffset + kStageActBytes;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 output columns */
-constexpr int kMaxTileCols = kConsumerWarps * kStripRows;
 /* Launches of a few tokens keep x in every CTA's shared memory, where the MMA warps read
  * it (local x): no grid-wide wait for x and no copies of it. A row holds all of x's
  * f16 blocks, pitched like a stage's activation row. */
