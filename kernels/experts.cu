@@ -40,11 +40,12 @@
  *      the unit's hidden rows, or (tagged) the activation producers take the chunks in turn
  *      and poll the tagged words of each chunk's blocks (the weights are already on their
  *      way); bf16 results go to every slot that routed the token there (one token and one
- *      MMA warp per strip: from the MMA warps themselves). Combined output: each (token,
- *      column tile) counts arrivals and the last arriving CTA's epilogue warp copies the
- *      slots' rows into shared memory at once and sums them in slot order; one-token
- *      launches store the rows as tagged words instead, which the MMA warps of each last
- *      unit's tile poll and sum (combine_strip_by_tags).
+ *      MMA warp per strip: from the MMA warps themselves). Combined output: the rows go
+ *      to y and each (token, column tile) counts its experts in; once their tiles are done
+ *      the MMA warps of the grid take the (token, column tile) items in turn, wait for the
+ *      count and sum the slots' rows in slot order (combine_by_counts). One-token launches
+ *      store the rows as tagged words instead, which the MMA warps of each last unit's tile
+ *      poll and sum (combine_strip_by_tags).
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.
@@ -56,6 +57,7 @@
 #include "experts_producers.cuh" /* the copy streams */
 #include "experts_consumers.cuh" /* the MMA warps */
 #include "experts_epilogues.cuh" /* epilogues, NaN rows, x -> MXFP8 */
+#include "experts_combine.cuh"   /* the fused combine */
 #include "marks.cuh"
 
 namespace kx {
@@ -232,7 +234,10 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
     KX_MARK_NS(kMarkTilesDoneNs);
-    if (p.route_weights && fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
+    if (p.route_weights) {
+      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
+      else combine_by_counts(p, r);
+    }
     KX_MARK_NS(kMarkExitNs);
   }
 }
@@ -271,13 +276,12 @@ extern "C" cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, k
   *config = kx_moe_config{};
   if (!shape_ok(*shape)) return cudaErrorInvalidValue;
   const int tokens = launch_tokens_for(*shape);
-  /* a layer may run either output mode: the larger plan (combined) sets the kernels' limit */
-  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens), shape->hidden, true);
+  const SmemLayout L = smem_layout(shape->experts, launch_pairs(*shape, tokens), shape->hidden);
   int sms = 0, max_smem = 0;
   cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  if (L.bytes > max_smem || L.combine_slots < 1 || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
+  if (L.bytes > max_smem || sms > kMaxGrid) return cudaErrorInvalidConfiguration;
   for (int kind = 0; kind < kLaunchKinds; ++kind) {
     /* the limit belongs to the kernel, not to a layer: only ever raise it, so a smaller
      * layer configured later cannot break a larger one */
@@ -313,7 +317,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.fc1 = fc1_shape(s.experts, s.hidden, s.inter);
   p.fc2 = fc2_shape(s.experts, s.hidden, s.inter);
   const int pairs = launch_pairs(s, a->config.chunk_tokens);
-  p.smem = smem_layout(s.experts, pairs, s.hidden, a->route_weights != nullptr);
+  p.smem = smem_layout(s.experts, pairs, s.hidden);
   p.packed = (const uint8_t *)a->packed;
   p.out = (__nv_bfloat16 *)a->out;
   p.out_ld = a->out_row_stride;

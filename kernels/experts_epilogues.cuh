@@ -1,5 +1,5 @@
 /* experts_epilogues.cuh: the experts kernel's epilogue warps (each tile's reduction, SiTU
- * and MXFP8 hidden rows after FC1, bf16 rows or the combine after FC2), the NaN rows of
+ * and MXFP8 hidden rows after FC1, bf16 rows and the combine's arrivals after FC2), the NaN rows of
  * bad ids (SPEC 7), and x's quantization to MXFP8.
  * One translation unit with experts.cu, which includes its parts in order. */
 #pragma once
@@ -13,7 +13,7 @@ namespace {
 /* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
 /* Each tile's epilogue is two steps: store_*_sums reads the tile's partial sums out of
  * the warp's reduction slot, then publish_* does the global hand-offs (counters, fences,
- * the unit's quantization, the combine) after the slot went back to the MMA warps. */
+ * the unit's quantization, the combine's arrivals) after the slot went back to the MMA warps. */
 
 /* What an epilogue warp needs of its tile's tokens, fetched while the MMA warps still work
  * on the tile, so the slot is held only for the sums. Lane i < count: token i, its row
@@ -145,7 +145,7 @@ __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   return true;
 }
 
-/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine. */
+/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine (experts_combine.cuh). */
 __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
@@ -172,85 +172,17 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* z[t, tile's cols] = bf16(sum_j w[t, j] * y[t, j, cols]), each column one fmaf chain from 0 in
- * slot order (SPEC 3; the chain v78 ran column by column, so the same bits); a bad id in any slot
- * makes the row NaN. Lane l owns the tile's columns 8l .. 8l + 7: it copies them of up to
- * p.smem.combine_slots slots (16 where shared memory allows) into the warp's staging area (its
- * own 16 bytes of each slot's piece) with every copy in flight at once, then sums them from there,
- * so a (token, tile) of up to 16 slots costs one round trip to L2. In registers only 2-4 slots'
- * 16 bytes fit the 80 (8 spill): v79's 2 took 8 round trips at K = 16, 4 would take 4. Staged,
- * the combined call is -8.8 % at k3-tp8 B = 1 and -6 % at B = 64 beside v79, -3 to -7 % for 4 in
- * registers (session 46; column by column, one dependent load after another, it had cost ~40 us
- * at B = 1, session 45). */
-constexpr int kCombineCols = 8;
-static_assert(32 * kCombineCols == kMaxTileCols, "a warp's lanes cover the widest tile");
-
-__device__ void combine_token_tile(const Params &p, const Routing &r, int t, int tile, uint32_t staging) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
-  const int cols = p.fc2.strips * kStripRows, col = lane * kCombineCols;
-  const int64_t c = (int64_t)tile * cols + col;
-  /* lane j < K: slot j's hidden row and weight, fetched once for all columns */
-  int row = 0;
-  float weight = 0.0f;
-  bool bad = false;
-  if (lane < K) {
-    const int e = r.pair_expert[t * K + lane];
-    bad = e < 0;
-    if (!bad) {
-      row = hidden_row(r, r.expert_slot[e], t);
-      weight = p.route_weights[t * p.rw_ld + lane];
-    }
-  }
-  const bool nan_row = __any_sync(0xFFFFFFFFu, bad);
-  const bool mine = col < cols && !nan_row; /* lanes past a narrow tile's columns pass the shuffles on */
-  const uint32_t staged = staging + 16 * lane; /* slot b's 16 bytes at + b * kCombineSlotBytes */
-  const int staged_slots = p.smem.combine_slots;
-  float z[kCombineCols] = {};
-  for (int j0 = 0; j0 < K; j0 += staged_slots) {
-    const int slots = K - j0 < staged_slots ? K - j0 : staged_slots;
-    for (int b = 0; b < slots; ++b) {
-      const int row_j = __shfl_sync(0xFFFFFFFFu, row, j0 + b);
-      if (mine) copy_async16(staged + b * kCombineSlotBytes, p.y + (int64_t)row_j * H + c);
-    }
-    copy_async_wait_all();
-    for (int b = 0; b < slots; ++b) {
-      const float w = __shfl_sync(0xFFFFFFFFu, weight, j0 + b);
-      const uint4 y = lds128(staged + b * kCombineSlotBytes);
-      const __nv_bfloat162 *pairs = reinterpret_cast<const __nv_bfloat162 *>(&y);
-#pragma unroll
-      for (int i = 0; i < kCombineCols / 2; ++i) {
-        const float2 v = __bfloat1622float2(pairs[i]);
-        z[2 * i] = fmaf(w, v.x, z[2 * i]);
-        z[2 * i + 1] = fmaf(w, v.y, z[2 * i + 1]);
-      }
-    }
-  }
-  if (col >= cols) return;
-  if (nan_row)
-    for (float &v : z) v = __int_as_float(0x7FC00000);
-  __nv_bfloat16 *dst = p.out + (int64_t)(p.tok0 + t) * p.out_ld + c;
-  const float lo[4] = {z[0], z[1], z[2], z[3]}, hi[4] = {z[4], z[5], z[6], z[7]};
-  store_bf16x4(dst, lo);
-  store_bf16x4(dst + 4, hi);
-}
-
-/* Whichever CTA delivers the last expert of (token, tile) combines it (combine_token_tile). */
-__device__ void combine_ready_tokens(const Params &p, const Routing &r, const Unit &unit, int tile,
-                                     uint32_t staging) {
-  const int lane = threadIdx.x & 31, tiles_per_row = p.shape.hidden / kMinTileCols;
+/* Combined: each of the tile's tokens counts in at the counters of the tile's combine pieces
+ * after the warp's y rows: one fence, then reductions, which nothing waits for (combine_piece
+ * acquires them). A release reduction per piece costs a MEMBAR each: +8.7 % at k3-tp8 B = 2,
+ * +12.7 % at TP16 (four pieces a tile), where one fence reads +0.9 / +1.0 % (session 48). */
+__device__ void count_combine_arrivals(const Params &p, const Unit &unit, int tile) {
+  const int lane = threadIdx.x & 31, pieces = p.fc2.strips * kStripRows / kMinTileCols;
   __syncwarp();
-  int last_token = -1;
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
-    int *count = &p.combine_count[t * tiles_per_row + tile];
-    if (atomic_add_acq_rel_gpu(count, 1) == r.token_experts[t] - 1) {
-      *count = 0; /* every arrival is in: the counter is ours to reset */
-      last_token = t;
-    }
-  }
-  for (int i = 0; i < unit.count; ++i) {
-    const int t = __shfl_sync(0xFFFFFFFFu, last_token, i);
-    if (t >= 0) combine_token_tile(p, r, t, tile, staging);
+    int *count = &p.combine_count[t * (p.shape.hidden / kMinTileCols) + tile * pieces];
+    for (int i = 0; i < pieces; ++i) red_add_relaxed_gpu(count + i, 1);
   }
 }
 
@@ -264,7 +196,6 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
   uint64_t *freed = reinterpret_cast<uint64_t *>(smem + p.smem.freed);
   const float *reduce = reinterpret_cast<const float *>(smem + p.smem.reduce) + e * kReduceFloats;
   const float *local_x_mult = reinterpret_cast<const float *>(smem + p.smem.x_local_mult);
-  const uint32_t staging = smem_addr(smem + p.smem.combine) + e * p.smem.combine_slots * kCombineSlotBytes;
   KX_MARK_BY_IF_AFTER(e == 0 && lane == 0 && (int)blockIdx.x < total_tiles,
                       mbar_wait(reinterpret_cast<uint64_t *>(smem + p.smem.full), 0), kMarkFirstFull);
   RingPos slot; /* whose turn this CTA's tile is, as hand_off counts */
@@ -287,7 +218,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
     if (!ref.fc1) {
-      if (p.route_weights) combine_ready_tokens(p, r, unit, ref.tile, staging);
+      if (p.route_weights) count_combine_arrivals(p, unit, ref.tile);
     } else if (!kTagged) {
       if (publish_fc1_tile(p, unit, ref, call)) KX_MARK_TILE_NS_BY_IF(lane == 0, index, kMarkTileReleased);
     }

@@ -66,13 +66,6 @@ constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
 constexpr int kStageActOffset = kStageWeightBytes;
 constexpr int kStageBytes = kStageActOffset + kStageActBytes;
 constexpr int kMinTileCols = 4 * kStripRows; /* FC2 tiles are 64, 128 or 256 output columns */
-constexpr int kMaxTileCols = kConsumerWarps * kStripRows;
-/* The combine (experts_epilogues.cuh) stages the slots' pieces of a (token, tile) in shared
- * memory, one area per epilogue warp, at most kCombineMaxSlots slots at a time (40 KB in all):
- * combined launches only, and only what local x leaves (smem_layout), so that one-token launches
- * keep their local x at every E and H (the 40 KB left none at E >= 2048, H = 7168). */
-constexpr int kCombineSlotBytes = kMaxTileCols * 2;
-constexpr int kCombineMaxSlots = 16;
 /* Launches of a few tokens keep x in every CTA's shared memory, where the MMA warps read
  * it (local x): no grid-wide wait for x and no copies of it. A row holds all of x's
  * f16 blocks, pitched like a stage's activation row. */
@@ -200,7 +193,6 @@ struct SmemLayout {
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals, unit_pairs;
   int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
-  int combine, combine_slots; /* combined launches: each epilogue warp stages combine_slots slots */
   int bytes;
 };
 
@@ -213,7 +205,7 @@ constexpr int kReducePitch = kGroupTokens * kStripRows + 16;
 constexpr int kReduceFloats = kConsumerWarps * kReducePitch;
 static_assert(kReducePitch % 4 == 0 && kStripRows % 4 == 0, "reduced4 reads 16-byte aligned rows");
 
-KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden, bool combined) {
+KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   SmemLayout L;
   int at = 0;
   auto take = [&at](int bytes, int align) { at = (at + align - 1) / align * align; int o = at; at += bytes; return o; };
@@ -240,17 +232,12 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden, bool c
   L.expert_id = take(2 * pairs, 2);
   L.unit_expert = take(2 * max_units_for(pairs), 2);
   L.unit_group = take(max_units_for(pairs), 1);
-  /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) but one
-   * staged slot per epilogue warp, and the combine's staging what local x leaves */
-  const int combine_area = kMaxEpilogueWarps * kCombineSlotBytes, combine_min = combined ? combine_area : 0;
+  /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
   L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
   const int x_at = (int)align128(at);
-  const int fit = (kSmemBudget - x_at - kLocalXOverread - combine_min) / local_x_pitch(hidden);
+  const int fit = (kSmemBudget - x_at - kLocalXOverread) / local_x_pitch(hidden);
   L.x_local_rows = fit < 0 ? 0 : (fit > kLocalXMaxTokens ? kLocalXMaxTokens : fit);
   L.x_local = take(L.x_local_rows * local_x_pitch(hidden) + (L.x_local_rows ? kLocalXOverread : 0), 128);
-  const int room = (kSmemBudget - (at + 15) / 16 * 16) / combine_area;
-  L.combine_slots = !combined ? 0 : (room < kCombineMaxSlots ? room : kCombineMaxSlots);
-  L.combine = take(L.combine_slots * combine_area, 16);
   L.bytes = (int)align128(at);
   return L;
 }

@@ -32,6 +32,16 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16 *dst, const float (&v
   }
 }
 
+/* Two bf16 to dst: one 4-byte store when aligned. */
+__device__ __forceinline__ void store_bf16x2(__nv_bfloat16 *dst, float v0, float v1) {
+  const __nv_bfloat162 two = __floats2bfloat162_rn(v0, v1);
+  if (((uintptr_t)dst & 3) == 0) {
+    *reinterpret_cast<__nv_bfloat162 *>(dst) = two;
+  } else {
+    dst[0] = two.x; dst[1] = two.y;
+  }
+}
+
 /* Two e4m3 codes times rel as an f16 pair, rounded once (exact inside the window of
  * act_reference_exponent): for a factor per pair, where folded_f16x2's two factors cost more
  * (with them the one-token hand-off's widening made B = 1 +1.1 %, session 35). */

@@ -143,13 +143,10 @@ __device__ __forceinline__ long long clock_now() {
 
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-/* *p += v, returning the old value: a release of what this thread (and, through a barrier
- * before it, its warp) wrote and an acquire of what the earlier adders released, in one
- * instruction (fence; atomic; fence costs a second MEMBAR.GPU after the atomic). */
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int *p, int v) {
-  int old;
-  asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
+/* *p += v, relaxed: a reduction (the thread does not wait for its round trip); a fence before it
+ * makes it a release. */
+__device__ __forceinline__ void red_add_relaxed_gpu(int *p, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 /* Spins until a counter that only grows has reached target, modulo 2^32 (it may wrap).

@@ -159,18 +159,18 @@ def test_small_shapes_gpu(kx, shape):
         check_close(z, ref.combine_rows(want, rw), what + " combined")
 
 
-# local x takes most of shared memory at this H, so a combined launch stages only 4 of its 16
-# slots at a time (experts_layout.cuh: smem_layout leaves the combine what local x does not take)
-FEW_STAGED_SLOTS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_scale="rceil")
+# top_k x H = 16 x 24576 is past the one-token row words (experts_layout.cuh: row_words_fit), so
+# even the one-token launch (local x, which takes most of shared memory here) combines through y
+BIG_ROWS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_scale="rceil")
 
 
-def test_combine_in_rounds_of_staged_slots(kx):
-    """The combine over several rounds of staged slots (fewer staged than top-k) gives the
-    reference's output and the slot-order sum of the layer's own rows, with local x (B = 1)
-    and without."""
-    layer = _small_layer(kx, FEW_STAGED_SLOTS)
+def test_combine_through_y_at_wide_rows(kx):
+    """The combine through y and its arrival counters (combine_by_counts) at H = 24576, in a
+    one-token launch (whose rows do not fit the row words) and in wider ones: the reference's
+    output and the slot-order sum of the layer's own rows."""
+    layer = _small_layer(kx, BIG_ROWS)
     for B in (1, 2, 64):
-        seed = seed_of("few-staged-slots", B)
+        seed = seed_of("big-rows", B)
         x, ids, rw = _inputs(layer, B, seed)
         what = f"{layer.describe()} B={B} seed={seed}"
         rows = layer.run(x, ids)

@@ -1,0 +1,153 @@
+/* experts_combine.cuh: the fused combine (SPEC 3 step 6), z[t] = bf16(sum_j w[t, j] y[t, j]),
+ * each column one fmaf chain from 0 in slot order, run by the MMA warps once their tiles are
+ * done. One-token launches whose rows fit the row words poll those tagged words; every other
+ * combined launch reads FC2's rows from y once the (token, column tile) counter has counted
+ * every expert of the token in.
+ * One translation unit with experts.cu, which includes its parts in order. */
+#pragma once
+
+#include "experts_ops.cuh"
+#include "marks.cuh"
+
+namespace kx {
+namespace {
+
+/* ---- through y, behind the arrival counters --------------------------------------------- */
+/* z[t, piece's 64 columns]: the warp waits for the piece's counter to hold every valid expert of
+ * t (the FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it
+ * for the next call, and sums the slots' rows in slot order. Lane l owns columns 2l and 2l + 1;
+ * a round's 16 slots' 4-byte loads are all in flight at once: one round trip to L2 at top-k 16
+ * (pieces of 128 columns, four a lane, spilled with 16 slots a round and read 1.7-2.5 % slower
+ * at B = 2 in rounds of 8, session 48). The slots' rows and weights are fetched before the wait. */
+constexpr int kCombineRoundSlots = 16;
+static_assert(kMinTileCols == 64, "a combine piece: two columns a lane");
+
+__device__ void combine_piece(const Params &p, const Routing &r, int t, int piece) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
+  int row = 0; /* lane j < K: slot j's hidden row and weight */
+  float weight = 0.0f;
+  if (lane < K) {
+    const int e = r.pair_expert[t * K + lane];
+    if (e >= 0) {
+      row = hidden_row(r, r.expert_slot[e], t);
+      weight = __ldg(&p.route_weights[t * p.rw_ld + lane]);
+    }
+  }
+  const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot */
+  const int64_t c = (int64_t)piece * kMinTileCols + 2 * lane;
+  int *count = &p.combine_count[t * (H / kMinTileCols) + piece];
+  while ((int)load_relaxed(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
+  }
+  fence_acq_rel_gpu(); /* one acquire after the poll: ld.acquire is a load and a CCTL.IVALL of the SM's L1 */
+  __syncwarp();
+  if (lane == 0) *count = 0; /* every lane has seen every arrival: the counter is ours to reset */
+  float z0 = 0.0f, z1 = 0.0f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < K; j0 += kCombineRoundSlots) {
+    uint32_t y[kCombineRoundSlots];
+#pragma unroll
+    for (int b = 0; b < kCombineRoundSlots; ++b) {
+      const int row_j = __shfl_sync(0xFFFFFFFFu, row, (j0 + b) & 31);
+      y[b] = !nan_row && j0 + b < K ? __ldcg(reinterpret_cast<const unsigned int *>(p.y + (int64_t)row_j * H + c)) : 0u;
+    }
+#pragma unroll
+    for (int b = 0; b < kCombineRoundSlots; ++b) {
+      const float w = __shfl_sync(0xFFFFFFFFu, weight, (j0 + b) & 31);
+      if (j0 + b >= K) break;
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&y[b]));
+      z0 = fmaf(w, v.x, z0);
+      z1 = fmaf(w, v.y, z1);
+    }
+  }
+  if (nan_row) z0 = z1 = __int_as_float(0x7FC00000);
+  store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + c, z0, z1);
+}
+
+/* The launch's (token, piece) items go round every MMA warp of the grid: warp w of CTA b takes
+ * b + grid (w + 16 k). They wait after the warp's tiles, for FC2 tiles that other CTAs' epilogue
+ * warps finish without waiting on any MMA warp, so the grid cannot deadlock. On the epilogue warp
+ * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
+ * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
+__device__ void combine_by_counts(const Params &p, const Routing &r) {
+  const int pieces = p.shape.hidden / kMinTileCols, items = p.tokens * pieces;
+  for (int i = blockIdx.x + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
+    const int t = i / pieces;
+    if (r.token_experts[t] != 0) combine_piece(p, r, t, i - t * pieces); /* else write_nan_rows' */
+  }
+}
+
+/* ---- one token, through tagged row words ------------------------------------------------ */
+/* The combine of a one-token combined launch (SPEC 3 step 6) by the MMA warps of the CTA that
+ * stored the last unit's FC2 tile of a column tile: warp w sums strip w's 16 columns over the token's
+ * slots, in slot order, from their tagged row words, polled until each carries the call's tag.
+ * In rounds of 16 slots, lane (g, q) holds slots q, q + 4, q + 8, q + 12 of the round for
+ * columns g and g + 8, and lanes q = 0 sum them (the fmaf chain of combine_piece, so the
+ * same bits). A CTA waits here after its tiles, for FC2 tiles that other CTAs reach without
+ * waiting on it, so the grid cannot deadlock. */
+__device__ void combine_strip_by_tags(const Params &p, const Routing &r, int tile, unsigned long long call) {
+  constexpr int kSlotsPerLane = 4; /* 16 slots a round over the lanes q = 0..3 */
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, K = p.shape.top_k;
+  const int strip = tile * kConsumerWarps + (int)(threadIdx.x >> 5), words_per_row = p.shape.hidden / 2;
+  const bool nan_row = r.token_bad[0] != 0; /* a bad id in any slot (route_one_warp) */
+  float lo = 0.0f, hi = 0.0f;
+  for (int j0 = 0; j0 < K && !nan_row; j0 += 4 * kSlotsPerLane) {
+    float w[4 * kSlotsPerLane]; /* the round's routing weights, in flight with the poll */
+#pragma unroll
+    for (int k = 0; k < 4 * kSlotsPerLane; ++k) w[k] = j0 + k < K ? __ldg(&p.route_weights[j0 + k]) : 0.0f;
+    uint32_t v[kSlotsPerLane] = {};
+    uint32_t at[kSlotsPerLane]; /* slot j0 + q + 4 i's word, in row_words (< kRowWords) */
+    uint32_t pending = 0; /* bit i: slot j0 + q + 4 i, whose word has not shown the call's tag yet */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) {
+      const int j = j0 + q + 4 * i;
+      pending |= (uint32_t)(j < K) << i;
+      const int row = j < K ? hidden_row(r, r.expert_slot[r.pair_expert[j]], 0) : 0;
+      at[i] = (uint32_t)(row * words_per_row + strip * 8 + g);
+    }
+    int polls = 0; /* marks builds */
+    while (__any_sync(0xFFFFFFFFu, pending != 0)) {
+      unsigned long long word[kSlotsPerLane];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i) /* every pending load in flight at once */
+        if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i)
+        if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
+          v[i] = (uint32_t)word[i];
+          pending &= ~(1u << i);
+        }
+      if (polls++ == 0 && pending != ~0u) KX_MARK_NS(kMarkCombinePolledNs); /* after the loads: pending is theirs */
+    }
+    KX_MARK_NS(kMarkCombineSeenNs);
+    KX_MARK_VALUE(kMarkCombinePolls, polls);
+    /* every slot's bits first, then the chain: ~1.4 kcycles when each step waited for its own
+     * shuffle and weight (session 47, clock64 marks) */
+    uint32_t bits[4 * kSlotsPerLane];
+#pragma unroll
+    for (int k = 0; k < 4 * kSlotsPerLane; ++k) bits[k] = __shfl_sync(0xFFFFFFFFu, v[k / 4], g * 4 + k % 4);
+#pragma unroll
+    for (int k = 0; k < 4 * kSlotsPerLane; ++k) {
+      if (j0 + k >= K) break;
+      lo = fmaf(w[k], __bfloat162float(__ushort_as_bfloat16((unsigned short)bits[k])), lo);
+      hi = fmaf(w[k], __bfloat162float(__ushort_as_bfloat16((unsigned short)(bits[k] >> 16))), hi);
+    }
+  }
+  if (__float_as_uint(lo) != ~0u) KX_MARK_NS(kMarkCombineSummedNs); /* after the sums: lo is theirs */
+  if (q != 0) return;
+  __nv_bfloat16 *dst = p.out + (int64_t)p.tok0 * p.out_ld + strip * kStripRows + g;
+  dst[0] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(lo);
+  dst[8] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(hi);
+}
+
+/* The combines this CTA's MMA warps owe (combine_strip_by_tags): its tiles of the last unit,
+ * after all its tiles (at B = 1 they are its last ones; the loop's registers are free again). */
+__device__ __forceinline__ void combine_last_unit_by_tags(const Params &p, const Routing &r, int fc1_tiles,
+                                                          unsigned long long call) {
+  const int units = r.totals[1], first = fc1_tiles + (units - 1) * p.fc2.tiles, end = first + p.fc2.tiles;
+  if (units == 0) return;
+  for (int index = first + (blockIdx.x + gridDim.x - first % gridDim.x) % gridDim.x; index < end; index += gridDim.x)
+    combine_strip_by_tags(p, r, index - first, call);
+}
+
+}  // namespace
+}  // namespace kx
