@@ -17,8 +17,8 @@ namespace {
  * t (the FC2 epilogues' release arrivals after their y rows, count_combine_arrivals), resets it
  * for the next call, and sums the slots' rows in slot order. Lane l owns columns 2l and 2l + 1;
  * a round's 16 slots' 4-byte loads are all in flight at once: one round trip to L2 at top-k 16
- * (pieces of 128 columns, four a lane, spilled with 16 slots a round and read 1.7-2.5 % slower
- * at B = 2 in rounds of 8, session 48). The slots' rows and weights are fetched before the wait. */
+ * (pieces of 128 columns, four a lane, spilled 16 bytes with 16 slots a round, and in rounds of 8
+ * read the same as these: session 48). The slots' rows and weights are fetched before the wait. */
 constexpr int kCombineRoundSlots = 16;
 static_assert(kMinTileCols == 64, "a combine piece: two columns a lane");
 

@@ -174,8 +174,8 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
 
 /* Combined: each of the tile's tokens counts in at the counters of the tile's combine pieces
  * after the warp's y rows: one fence, then reductions, which nothing waits for (combine_piece
- * acquires them). A release reduction per piece costs a MEMBAR each: +8.7 % at k3-tp8 B = 2,
- * +12.7 % at TP16 (four pieces a tile), where one fence reads +0.9 / +1.0 % (session 48). */
+ * acquires them). A release reduction per piece (four a 256-column tile) cost a MEMBAR each:
+ * +8.7 / +12.7 % at k3-tp8 / TP16 B = 2 beside v85, where one fence reads +2.5 / +3.5 % (session 48). */
 __device__ void count_combine_arrivals(const Params &p, const Unit &unit, int tile) {
   const int lane = threadIdx.x & 31, pieces = p.fc2.strips * kStripRows / kMinTileCols;
   __syncwarp();
