@@ -281,6 +281,11 @@ __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_
   return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape));
 }
 
+/* Token t's arrival counter for 64 output columns (piece), [token][H / 64] (scratch_layout). */
+__device__ __forceinline__ int *combine_counter(const Params &p, int t, int piece) {
+  return &p.combine_count[t * (p.shape.hidden / kMinTileCols) + piece];
+}
+
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
 __device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
   return (int64_t)c * p.hidden_rows + row;
