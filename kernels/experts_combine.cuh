@@ -1,8 +1,8 @@
 /* experts_combine.cuh: the fused combine (SPEC 3 step 6), z[t] = bf16(sum_j w[t, j] y[t, j]),
  * each column one fmaf chain from 0 in slot order, run by the MMA warps once their tiles are
- * done. One-token launches whose rows fit the row words poll those tagged words; every other
- * combined launch reads FC2's rows from y once the (token, column tile) counter has counted
- * every expert of the token in.
+ * done. Launches of a few tokens poll FC2's rows as tagged row words (rows_as_words); every other
+ * combined launch reads them from y once the (token, piece) counter has counted every expert of
+ * the token in.
  * One translation unit with experts.cu, which includes its parts in order. */
 #pragma once
 
@@ -68,12 +68,86 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
  * warps finish without waiting on any MMA warp, so the grid cannot deadlock. On the epilogue warp
  * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
  * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
-__device__ void combine_by_counts(const Params &p, const Routing &r) {
-  const int pieces = p.shape.hidden / kMinTileCols, items = p.tokens * pieces;
+template <class CombinePiece>
+__device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
+                                              CombinePiece combine_piece_of) {
+  const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces;
   for (int i = blockIdx.x + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
-    if (r.token_experts[t] != 0) combine_piece(p, r, t, i - t * pieces); /* else write_nan_rows' */
+    if (r.token_experts[t] != 0) combine_piece_of(t, i - t * pieces); /* else write_nan_rows' */
   }
+}
+
+__device__ void combine_by_counts(const Params &p, const Routing &r) {
+  combine_items(p, r, kMinTileCols, [&](int t, int piece) { combine_piece(p, r, t, piece); });
+}
+
+/* ---- a few tokens, through tagged row words --------------------------------------------- */
+/* z[t, piece's 32 columns] from the slots' row words (store_fc2_sums' order: word w holds columns
+ * 2w and 2w + 1), polled until each carries the call's tag: no counter to wait for or reset, no
+ * fence. In rounds of 16 slots, lane w + 16 h holds word w of slots 8h .. 8h + 7 of the round (8
+ * words, 16 registers, in flight a lane: 32 spilled in combine_piece's first form); lane w then
+ * sums all 16 in slot order, the other half's by shuffle (the fmaf chain of combine_piece, so the
+ * same bits). */
+constexpr int kWordPieceWords = 16;
+
+__device__ void combine_word_piece(const Params &p, const Routing &r, int t, int piece, unsigned long long call) {
+  constexpr int kSlotsPerLane = 8;
+  const int lane = threadIdx.x & 31, w = lane % kWordPieceWords, half = lane / kWordPieceWords;
+  const int K = p.shape.top_k, words_per_row = p.shape.hidden / 2;
+  int row = 0; /* lane j < K: slot j's hidden row and weight */
+  float weight = 0.0f;
+  if (lane < K) {
+    const int e = r.pair_expert[t * K + lane];
+    if (e >= 0) {
+      row = hidden_row(r, r.expert_slot[e], t);
+      weight = __ldg(&p.route_weights[t * p.rw_ld + lane]);
+    }
+  }
+  const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot: nothing to wait for */
+  float lo = 0.0f, hi = 0.0f;
+  for (int j0 = 0; j0 < K && !nan_row; j0 += 2 * kSlotsPerLane) {
+    uint32_t at[kSlotsPerLane], v[kSlotsPerLane] = {};
+    uint32_t pending = 0; /* bit i: slot j0 + 8 half + i, whose word has not shown the call's tag yet */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) {
+      const int j = j0 + kSlotsPerLane * half + i;
+      const int row_j = __shfl_sync(0xFFFFFFFFu, row, j & 31);
+      pending |= (uint32_t)(j < K) << i;
+      at[i] = (uint32_t)(row_j * words_per_row + piece * kWordPieceWords + w);
+    }
+    while (__any_sync(0xFFFFFFFFu, pending != 0)) {
+      unsigned long long word[kSlotsPerLane];
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i) /* every pending load in flight at once */
+        if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
+#pragma unroll
+      for (int i = 0; i < kSlotsPerLane; ++i)
+        if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
+          v[i] = (uint32_t)word[i];
+          pending &= ~(1u << i);
+        }
+    }
+    uint32_t upper[kSlotsPerLane]; /* slots j0 + 8 .. j0 + 15, from lane w + 16 */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) upper[i] = __shfl_sync(0xFFFFFFFFu, v[i], w + kWordPieceWords);
+#pragma unroll
+    for (int k = 0; k < 2 * kSlotsPerLane; ++k) {
+      const float wk = __shfl_sync(0xFFFFFFFFu, weight, (j0 + k) & 31);
+      if (j0 + k >= K) break;
+      const uint32_t bits = k < kSlotsPerLane ? v[k] : upper[k - kSlotsPerLane];
+      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&bits));
+      lo = fmaf(wk, y.x, lo);
+      hi = fmaf(wk, y.y, hi);
+    }
+  }
+  if (half != 0) return;
+  if (nan_row) lo = hi = __int_as_float(0x7FC00000);
+  store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + piece * 2 * kWordPieceWords + 2 * w, lo, hi);
+}
+
+__device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
+  combine_items(p, r, 2 * kWordPieceWords, [&](int t, int piece) { combine_word_piece(p, r, t, piece, call); });
 }
 
 /* ---- one token, through tagged row words ------------------------------------------------ */
