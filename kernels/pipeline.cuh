@@ -79,14 +79,6 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-/* 16 bytes global -> shared, in flight without holding registers (L2 only, like __ldcg);
- * copy_async_wait_all makes this thread's copies visible to itself. */
-__device__ __forceinline__ void copy_async16(uint32_t dst, const void *src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 /* Global data this thread acquired (written by other CTAs through ordinary stores) becomes
  * visible to its later copy-engine reads, which go through the async proxy. */
 __device__ __forceinline__ void fence_proxy_async_global() {
