@@ -67,7 +67,7 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
   const SlotOfLane slot = slot_of_lane(p, r, t); /* lane j < K: slot j's */
   const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot */
   const int64_t c = (int64_t)piece * kMinTileCols + 2 * lane;
-  int *count = &p.combine_count[t * (H / kMinTileCols) + piece];
+  int *count = combine_counter(p, t, piece);
   while ((int)load_relaxed(reinterpret_cast<const unsigned int *>(count)) != r.token_experts[t]) {
   }
   fence_acq_rel_gpu(); /* one acquire after the poll: ld.acquire is a load and a CCTL.IVALL of the SM's L1 */

@@ -189,7 +189,7 @@ __device__ void count_combine_arrivals(const Params &p, const Unit &unit, int ti
   __syncwarp();
   if (lane < unit.count) {
     const int t = nth_set_bit(unit.mask, unit.first_rank + lane);
-    int *count = &p.combine_count[t * (p.shape.hidden / kMinTileCols) + tile * pieces];
+    int *count = combine_counter(p, t, tile * pieces);
     fence_acq_rel_gpu(); /* the release of the warp's y rows (the barrier above) */
     for (int i = 0; i < pieces; ++i) red_add_relaxed_gpu(count + i, 1);
   }

@@ -291,6 +291,11 @@ __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_
  * not to y and the arrival counters. */
 __device__ __forceinline__ bool rows_as_words(const Params &p) { return row_words_fit(p.shape, p.tokens); }
 
+/* Token t's arrival counter for 64 output columns (piece), [token][H / 64] (scratch_layout). */
+__device__ __forceinline__ int *combine_counter(const Params &p, int t, int piece) {
+  return &p.combine_count[t * (p.shape.hidden / kMinTileCols) + piece];
+}
+
 /* Block row of chunk c of hidden row `row` (the unit-block layout above). */
 __device__ __forceinline__ int64_t hidden_block_row(const Params &p, int c, int row) {
   return (int64_t)c * p.hidden_rows + row;

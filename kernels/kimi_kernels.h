@@ -59,7 +59,7 @@ cudaError_t kx_moe_pack(const kx_moe_pack_args *args, cudaStream_t stream);
 /* Launch configuration chosen once per (shape, device) at prepare. */
 typedef struct kx_moe_config {
   int32_t grid;          /* persistent CTAs, all co-resident */
-  int32_t smem_bytes;    /* dynamic shared memory per CTA, at most (combined launches) */
+  int32_t smem_bytes;    /* dynamic shared memory per CTA */
   int32_t chunk_tokens;  /* tokens per launch; run() launches ceil(B / chunk) times */
 } kx_moe_config;
 

@@ -26,8 +26,8 @@ enum MarkSlot {
   kMarkFc1Done,     /* the MMA warps left FC1's tiles */
   kMarkFc2Planned,  /* the MMA warps' FC2 plan is made, before its first stage wait */
   kMarkExit,        /* the MMA warps' last tile is handed off */
-  kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and when the MMA warps are done (after a one-token */
-  kMarkExitNs,      /* combine's stores, combine_last_unit_by_tags): the CTAs on one clock */
+  kMarkWaitedNs,    /* %globaltimer (ns) at kMarkWaited and when the MMA warps are done (after a combined */
+  kMarkExitNs,      /* launch's combine, experts_combine.cuh): the CTAs on one clock */
   kMarkNanDone,     /* write_nan_rows is done (stamped by a warp that writes them) */
   kMarkFc1Planned,  /* the MMA warps' FC1 plan is made */
   kMarkFirstCopy,   /* the weight warp issued its first copy */
@@ -50,7 +50,7 @@ enum MarkSlot {
   kMarkXCounted,    /* the MMA warps' thread 0 quantized its rows of x and counted them */
   kMarkPastJoin,    /* the weight warp passed the CTA barrier that joins routing and x */
   kMarkXSeen,       /* activation warp 0 saw every CTA's x counted */
-  kMarkTilesDoneNs, /* %globaltimer: the MMA warps left their tiles (before a one-token combine) */
+  kMarkTilesDoneNs, /* %globaltimer: the MMA warps left their tiles (before a combined launch's combine) */
   kMarkCombinePolledNs, /* ... MMA warp 0's first poll of its last strip's row words returned */
   kMarkCombineSeenNs, /* ... and it has them all tagged, after kMarkCombinePolls polls (a count) */
   kMarkCombinePolls,
