@@ -41,11 +41,12 @@
  *      and poll the tagged words of each chunk's blocks (the weights are already on their
  *      way); bf16 results go to every slot that routed the token there (one token and one
  *      MMA warp per strip: from the MMA warps themselves). Combined output: the rows go
- *      to y and each (token, column tile) counts its experts in; once their tiles are done
- *      the MMA warps of the grid take the (token, column tile) items in turn, wait for the
- *      count and sum the slots' rows in slot order (combine_by_counts). One-token launches
- *      store the rows as tagged words instead, which the MMA warps of each last unit's tile
- *      poll and sum (combine_strip_by_tags).
+ *      to y and each (token, piece of columns) counts its experts in; once their tiles are
+ *      done the MMA warps of the grid take the (token, piece) items in turn, wait for the
+ *      count and sum the slots' rows in slot order (combine_by_counts). Launches of a few
+ *      tokens store the rows as tagged words instead, which the items poll (combine_by_words),
+ *      and one-token launches whose MMA warps store the rows leave them to the MMA warps of
+ *      each last unit's tile (combine_strip_by_tags).
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.
@@ -236,6 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     KX_MARK_NS(kMarkTilesDoneNs);
     if (p.route_weights) {
       if (fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
+      else if (rows_as_words(p)) combine_by_words(p, r, call);
       else combine_by_counts(p, r);
     }
     KX_MARK_NS(kMarkExitNs);

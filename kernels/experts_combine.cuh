@@ -1,8 +1,8 @@
 /* experts_combine.cuh: the fused combine (SPEC 3 step 6), z[t] = bf16(sum_j w[t, j] y[t, j]),
  * each column one fmaf chain from 0 in slot order, run by the MMA warps once their tiles are
- * done. One-token launches whose rows fit the row words poll those tagged words; every other
- * combined launch reads FC2's rows from y once the (token, column tile) counter has counted
- * every expert of the token in.
+ * done. Launches of a few tokens poll FC2's rows as tagged row words (rows_as_words); every other
+ * combined launch reads them from y once the (token, piece) counter has counted every expert of
+ * the token in.
  * One translation unit with experts.cu, which includes its parts in order. */
 #pragma once
 
@@ -11,6 +11,46 @@
 
 namespace kx {
 namespace {
+
+/* Lane j < K's slot of token t: its hidden row and routing weight (0 and 0 past K or for a bad id),
+ * for the lanes to shuffle round. */
+struct SlotOfLane {
+  int row;
+  float weight;
+};
+
+__device__ __forceinline__ SlotOfLane slot_of_lane(const Params &p, const Routing &r, int t) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  SlotOfLane s{0, 0.0f};
+  if (lane < K) {
+    const int e = r.pair_expert[t * K + lane];
+    if (e >= 0) s = SlotOfLane{hidden_row(r, r.expert_slot[e], t), __ldg(&p.route_weights[t * p.rw_ld + lane])};
+  }
+  return s;
+}
+
+/* Polls the row words at[i] of the slots whose bit is set in pending, every pending load in flight
+ * at once, until each carries the call's tag; their data to v[i]. */
+template <int kSlots>
+__device__ __forceinline__ void poll_row_words(const Params &p, const uint32_t (&at)[kSlots], uint32_t pending,
+                                               unsigned long long call, uint32_t (&v)[kSlots]) {
+  int polls = 0; /* marks builds */
+  while (__any_sync(0xFFFFFFFFu, pending != 0)) {
+    unsigned long long word[kSlots];
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i)
+      if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
+#pragma unroll
+    for (int i = 0; i < kSlots; ++i)
+      if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
+        v[i] = (uint32_t)word[i];
+        pending &= ~(1u << i);
+      }
+    if (polls++ == 0 && pending != ~0u) KX_MARK_NS(kMarkCombinePolledNs); /* after the loads: pending is theirs */
+  }
+  KX_MARK_NS(kMarkCombineSeenNs);
+  KX_MARK_VALUE(kMarkCombinePolls, polls);
+}
 
 /* ---- through y, behind the arrival counters --------------------------------------------- */
 /* z[t, piece's 64 columns]: the warp waits for the piece's counter to hold every valid expert of
@@ -24,15 +64,7 @@ static_assert(kMinTileCols == 64, "a combine piece: two columns a lane");
 
 __device__ void combine_piece(const Params &p, const Routing &r, int t, int piece) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden;
-  int row = 0; /* lane j < K: slot j's hidden row and weight */
-  float weight = 0.0f;
-  if (lane < K) {
-    const int e = r.pair_expert[t * K + lane];
-    if (e >= 0) {
-      row = hidden_row(r, r.expert_slot[e], t);
-      weight = __ldg(&p.route_weights[t * p.rw_ld + lane]);
-    }
-  }
+  const SlotOfLane slot = slot_of_lane(p, r, t); /* lane j < K: slot j's */
   const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot */
   const int64_t c = (int64_t)piece * kMinTileCols + 2 * lane;
   int *count = combine_counter(p, t, piece);
@@ -47,12 +79,12 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
     uint32_t y[kCombineRoundSlots];
 #pragma unroll
     for (int b = 0; b < kCombineRoundSlots; ++b) {
-      const int row_j = __shfl_sync(0xFFFFFFFFu, row, (j0 + b) & 31);
+      const int row_j = __shfl_sync(0xFFFFFFFFu, slot.row, (j0 + b) & 31);
       y[b] = !nan_row && j0 + b < K ? __ldcg(reinterpret_cast<const unsigned int *>(p.y + (int64_t)row_j * H + c)) : 0u;
     }
 #pragma unroll
     for (int b = 0; b < kCombineRoundSlots; ++b) {
-      const float w = __shfl_sync(0xFFFFFFFFu, weight, (j0 + b) & 31);
+      const float w = __shfl_sync(0xFFFFFFFFu, slot.weight, (j0 + b) & 31);
       if (j0 + b >= K) break;
       const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&y[b]));
       z0 = fmaf(w, v.x, z0);
@@ -68,12 +100,67 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
  * warps finish without waiting on any MMA warp, so the grid cannot deadlock. On the epilogue warp
  * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
  * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
-__device__ void combine_by_counts(const Params &p, const Routing &r) {
-  const int pieces = p.shape.hidden / kMinTileCols, items = p.tokens * pieces;
+template <class CombinePiece>
+__device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
+                                              CombinePiece combine_piece_of) {
+  const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces;
   for (int i = blockIdx.x + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
-    if (r.token_experts[t] != 0) combine_piece(p, r, t, i - t * pieces); /* else write_nan_rows' */
+    if (r.token_experts[t] != 0) combine_piece_of(t, i - t * pieces); /* else write_nan_rows' */
   }
+}
+
+__device__ void combine_by_counts(const Params &p, const Routing &r) {
+  combine_items(p, r, kMinTileCols, [&](int t, int piece) { combine_piece(p, r, t, piece); });
+}
+
+/* ---- a few tokens, through tagged row words --------------------------------------------- */
+/* z[t, piece's 32 columns] from the slots' row words (store_fc2_sums' order: word w holds columns
+ * 2w and 2w + 1), polled until each carries the call's tag: no counter to wait for or reset, no
+ * fence. In rounds of 16 slots, lane w + 16 h holds word w of slots 8h .. 8h + 7 of the round (8
+ * words, 16 registers, in flight a lane: 32 spilled in combine_piece's first form); lane w then
+ * sums all 16 in slot order, the other half's by shuffle (the fmaf chain of combine_piece, so the
+ * same bits). */
+constexpr int kWordPieceWords = 16;
+
+__device__ void combine_word_piece(const Params &p, const Routing &r, int t, int piece, unsigned long long call) {
+  constexpr int kSlotsPerLane = 8;
+  const int lane = threadIdx.x & 31, w = lane % kWordPieceWords, half = lane / kWordPieceWords;
+  const int K = p.shape.top_k, words_per_row = p.shape.hidden / 2;
+  const SlotOfLane slot = slot_of_lane(p, r, t); /* lane j < K: slot j's */
+  const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot: nothing to wait for */
+  float lo = 0.0f, hi = 0.0f;
+  for (int j0 = 0; j0 < K && !nan_row; j0 += 2 * kSlotsPerLane) {
+    uint32_t at[kSlotsPerLane], v[kSlotsPerLane] = {};
+    uint32_t pending = 0; /* bit i: slot j0 + 8 half + i, whose word has not shown the call's tag yet */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) {
+      const int j = j0 + kSlotsPerLane * half + i;
+      const int row_j = __shfl_sync(0xFFFFFFFFu, slot.row, j & 31);
+      pending |= (uint32_t)(j < K) << i;
+      at[i] = (uint32_t)(row_j * words_per_row + piece * kWordPieceWords + w);
+    }
+    poll_row_words(p, at, pending, call, v);
+    uint32_t upper[kSlotsPerLane]; /* slots j0 + 8 .. j0 + 15, from lane w + 16 */
+#pragma unroll
+    for (int i = 0; i < kSlotsPerLane; ++i) upper[i] = __shfl_sync(0xFFFFFFFFu, v[i], w + kWordPieceWords);
+#pragma unroll
+    for (int k = 0; k < 2 * kSlotsPerLane; ++k) {
+      const float wk = __shfl_sync(0xFFFFFFFFu, slot.weight, (j0 + k) & 31);
+      if (j0 + k >= K) break;
+      const uint32_t bits = k < kSlotsPerLane ? v[k] : upper[k - kSlotsPerLane];
+      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&bits));
+      lo = fmaf(wk, y.x, lo);
+      hi = fmaf(wk, y.y, hi);
+    }
+  }
+  if (half != 0) return;
+  if (nan_row) lo = hi = __int_as_float(0x7FC00000);
+  store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + piece * 2 * kWordPieceWords + 2 * w, lo, hi);
+}
+
+__device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
+  combine_items(p, r, 2 * kWordPieceWords, [&](int t, int piece) { combine_word_piece(p, r, t, piece, call); });
 }
 
 /* ---- one token, through tagged row words ------------------------------------------------ */
@@ -104,22 +191,7 @@ __device__ void combine_strip_by_tags(const Params &p, const Routing &r, int til
       const int row = j < K ? hidden_row(r, r.expert_slot[r.pair_expert[j]], 0) : 0;
       at[i] = (uint32_t)(row * words_per_row + strip * 8 + g);
     }
-    int polls = 0; /* marks builds */
-    while (__any_sync(0xFFFFFFFFu, pending != 0)) {
-      unsigned long long word[kSlotsPerLane];
-#pragma unroll
-      for (int i = 0; i < kSlotsPerLane; ++i) /* every pending load in flight at once */
-        if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
-#pragma unroll
-      for (int i = 0; i < kSlotsPerLane; ++i)
-        if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
-          v[i] = (uint32_t)word[i];
-          pending &= ~(1u << i);
-        }
-      if (polls++ == 0 && pending != ~0u) KX_MARK_NS(kMarkCombinePolledNs); /* after the loads: pending is theirs */
-    }
-    KX_MARK_NS(kMarkCombineSeenNs);
-    KX_MARK_VALUE(kMarkCombinePolls, polls);
+    poll_row_words(p, at, pending, call, v);
     /* every slot's bits first, then the chain: ~1.4 kcycles when each step waited for its own
      * shuffle and weight (session 47, clock64 marks) */
     uint32_t bits[4 * kSlotsPerLane];

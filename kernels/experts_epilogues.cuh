@@ -145,9 +145,10 @@ __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
   return true;
 }
 
-/* FC2: bf16 rows to every slot that routed the token here, or to y for the combine (experts_combine.cuh). */
+/* FC2: bf16 rows to every slot that routed the token here, or for the combine (experts_combine.cuh)
+ * to the row words or y. */
 __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
-                               const TileTokens &tt) {
+                               const TileTokens &tt, unsigned long long call) {
   const int lane = threadIdx.x & 31, K = p.shape.top_k, H = p.shape.hidden, strips = p.fc2.strips;
   /* 4 consecutive output columns per step: quads = 2^quads_log2 steps per token (strips is
    * 4, 8 or 16), so the item loop splits its index by shifts */
@@ -164,7 +165,14 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
     float v[4];
     reduced4(reduce, strips, strip, row, token_i, mult, v);
     if (p.route_weights) {
-      store_bf16x4(p.y + (int64_t)(unit.row0 + token_i) * H + col0, v);
+      const int64_t row = unit.row0 + token_i;
+      if (rows_as_words(p)) {
+        unsigned long long *words = p.row_words + row * (H / 2) + col0 / 2;
+        store_relaxed(words, call << 32 | bf16x2_bits(v[0], v[1]));
+        store_relaxed(words + 1, call << 32 | bf16x2_bits(v[2], v[3]));
+      } else {
+        store_bf16x4(p.y + row * H + col0, v);
+      }
     } else {
       for (uint32_t m = t_slots; m != 0; m &= m - 1)
         store_bf16x4(p.out + ((int64_t)(p.tok0 + t) * K + (__ffs(m) - 1)) * p.out_ld + col0, v);
@@ -211,7 +219,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
     /* local x's multipliers: the MMA warps wrote them before they parked anything */
     if (kLocalX && ref.fc1) tt.mult = local_x_mult[0]; /* the launch's one token, in every lane */
     if (ref.fc1) store_fc1_sums<kLocalX, kTagged>(p, reduce, unit, ref, tt, call);
-    else store_fc2_sums(p, reduce, unit, ref, tt);
+    else store_fc2_sums(p, reduce, unit, ref, tt, call);
     KX_MARK_TILE_NS_BY_IF(lane == 0 && ref.fc1, index, kMarkTileStored);
     KX_MARK_TILE_BY_IF(lane == 0, index, kMarkTileEpilogue);
     __syncwarp();
@@ -219,7 +227,7 @@ __device__ void run_epilogues(const Params &p, uint8_t *smem, const Routing &r, 
      * MMA warps waited for a slot 6 % of their loop at B = 64; this gave -0.7 % at B = 8 */
     if (lane == 0) mbar_arrive(&freed[e]);
     if (!ref.fc1) {
-      if (p.route_weights) count_combine_arrivals(p, unit, ref.tile);
+      if (p.route_weights && !rows_as_words(p)) count_combine_arrivals(p, unit, ref.tile);
     } else if (!kTagged) {
       if (publish_fc1_tile(p, unit, ref, call)) KX_MARK_TILE_NS_BY_IF(lane == 0, index, kMarkTileReleased);
     }

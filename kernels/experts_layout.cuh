@@ -129,16 +129,22 @@ KX_HOST_DEVICE bool handoff_fits(const kx_moe_shape &s, int tokens) {
   return (int64_t)tokens * s.top_k * (s.inter / kMxBlock) <= kHandoffBlocks;
 }
 
-/* One-token combined launches hand FC2's rows to their combiner as tagged row words, as FC1
- * hands its hidden blocks to FC2: word (r, w) holds hidden row r's columns 16 (w / 8) + w % 8 and
- * that + 8 as bf16 (the MMA fragment's rows g and g + 8) in its low 32 bits, the call number's
- * low 32 bits above them. A 64-bit store is single-copy atomic, so a word with the call's tag
- * holds the call's data: no fence, counter or copy between the rows and the combine (v84:
- * -1.5 % at k3-tp8 B = 1 combined beside the counter path; session 47). Tags repeat only 2^32
- * calls apart. Fixed in size and offset for every shape (scratch_layout), so that nothing but
- * tagged words is ever read there; shapes with more than top_k x H = 2^18 take the counter. */
-constexpr int kRowWords = (1 << 18) / 2;
-KX_HOST_DEVICE bool row_words_fit(const kx_moe_shape &s) { return (int64_t)s.top_k * s.hidden <= 2 * kRowWords; }
+/* Combined launches of a few tokens hand FC2's rows to the combine as tagged row words, as FC1
+ * hands its hidden blocks to FC2: two bf16 of hidden row r in a word's low 32 bits, the call
+ * number's low 32 bits above them. A 64-bit store is single-copy atomic, so a word with the call's
+ * tag holds the call's data: no fence, counter or copy between the rows and the combine (v84:
+ * -1.5 % at k3-tp8 B = 1 combined beside the counter path; session 47). Row r's words are
+ * r (H / 2) .. + H / 2 - 1, in the order of the path that stores them: columns 16 (w / 8) + w % 8
+ * and that + 8 (the MMA fragment's rows g and g + 8) where the MMA warps store one token's rows
+ * (store_token_rows), columns 2w and 2w + 1 where the epilogue warps store them (store_fc2_sums).
+ * Tags repeat only 2^32 calls apart. Fixed in size and offset for every shape (scratch_layout),
+ * so that nothing but tagged words is ever read there; launches of more than
+ * kRowWordsMaxTokens tokens, or of more rows than the words hold, take the counters. */
+constexpr int kRowWords = 1 << 20; /* 8 MB: 36 tokens of k3-tp8's K x H / 2 */
+constexpr int kRowWordsMaxTokens = 8;
+KX_HOST_DEVICE bool row_words_fit(const kx_moe_shape &s, int tokens) {
+  return tokens <= kRowWordsMaxTokens && (int64_t)tokens * s.top_k * (s.hidden / 2) <= kRowWords;
+}
 
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
@@ -268,7 +274,7 @@ struct Params {
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *h_mult;   /* per hidden row: 2^(R + 14) */
   unsigned long long *handoff; /* tagged launches' hidden blocks as tagged words */
-  unsigned long long *row_words; /* one-token combined launches' FC2 rows as tagged words */
+  unsigned long long *row_words; /* combined launches' FC2 rows as tagged words (rows_as_words) */
   __nv_bfloat16 *y;
 };
 
@@ -278,8 +284,12 @@ struct Params {
  * warps of the last unit's tiles combine (combine_strip_by_tags). The hop through an epilogue
  * warp is the call's last step there (session 28: -2.3 % at B = 1 without it). */
 __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
-  return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape));
+  return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape, 1));
 }
+
+/* Whether a combined launch's FC2 rows go to the combine as tagged row words (row_words_fit),
+ * not to y and the arrival counters. */
+__device__ __forceinline__ bool rows_as_words(const Params &p) { return row_words_fit(p.shape, p.tokens); }
 
 /* Token t's arrival counter for 64 output columns (piece), [token][H / 64] (scratch_layout). */
 __device__ __forceinline__ int *combine_counter(const Params &p, int t, int piece) {

@@ -32,6 +32,12 @@ __device__ __forceinline__ void store_bf16x4(__nv_bfloat16 *dst, const float (&v
   }
 }
 
+/* Two bf16 (rounded to nearest even) as one word, the first in the low half. */
+__device__ __forceinline__ uint32_t bf16x2_bits(float v0, float v1) {
+  const __nv_bfloat162 two = __floats2bfloat162_rn(v0, v1);
+  return *reinterpret_cast<const uint32_t *>(&two);
+}
+
 /* Two bf16 to dst: one 4-byte store when aligned. */
 __device__ __forceinline__ void store_bf16x2(__nv_bfloat16 *dst, float v0, float v1) {
   const __nv_bfloat162 two = __floats2bfloat162_rn(v0, v1);

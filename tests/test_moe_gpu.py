@@ -159,15 +159,16 @@ def test_small_shapes_gpu(kx, shape):
         check_close(z, ref.combine_rows(want, rw), what + " combined")
 
 
-# top_k x H = 16 x 24576 is past the one-token row words (experts_layout.cuh: row_words_fit), so
-# even the one-token launch (local x, which takes most of shared memory here) combines through y
+# The widest rows of the small shapes: local x takes most of shared memory at B = 1, and the row
+# words (experts_layout.cuh: row_words_fit) take B = 1 and 2 of them, not 64
 BIG_ROWS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_scale="rceil")
 
 
-def test_combine_through_y_at_wide_rows(kx):
-    """The combine through y and its arrival counters (combine_by_counts) at H = 24576, in a
-    one-token launch (whose rows do not fit the row words) and in wider ones: the reference's
-    output and the slot-order sum of the layer's own rows."""
+def test_combine_paths_at_wide_rows(kx):
+    """The three combines at H = 24576: the MMA warps' row words at B = 1 (combine_strip_by_tags),
+    the epilogue warps' row words at B = 2 (combine_by_words) and y with its arrival counters at
+    B = 64 (combine_by_counts): the reference's output and the slot-order sum of the layer's own
+    rows."""
     layer = _small_layer(kx, BIG_ROWS)
     for B in (1, 2, 64):
         seed = seed_of("big-rows", B)
