@@ -6,9 +6,12 @@
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
 its fastest pass against the first tree's fastest, then each pass's HBM read (the floors'
-bandwidth). Machines differ (HBM read 4.5-4.65 TB/s)
-and so do processes on one machine (B >= 16 moved 2-5 % between passes of one build), by more
-than most kernel changes, so a change is read only beside its base, alternating, in one run.
+bandwidth). Machines differ (HBM read 4.5-4.65 TB/s) and so do processes on one machine (B >= 16
+moved 2-5 % between passes of one build), by more than most kernel changes, so a change is read
+only beside its base, alternating, in one run. Every other pass runs the trees in reverse order:
+under --warmup-ms, k3-tp8 B = 8-16 read 1.9-3.1 % slower for the tree run second in each pass than
+for the same tree run first (session 49), a drift that a fixed order puts on one tree alone; run
+an even number of passes there.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --warmup-ms
 reaches bench_experts.py (each graph replayed that long before it is timed: sustained load), and so
 does --combine (the fused combine instead of per-slot rows; every tree's bench_experts.py must know it).
@@ -97,7 +100,8 @@ def main():
     hbm: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(args.passes):
-            for tree, name in zip(args.trees, names):
+            order = list(zip(args.trees, names))
+            for tree, name in order if p % 2 == 0 else order[::-1]:
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
                 run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"), args.warmup_ms,
                             args.combine)

@@ -52,14 +52,16 @@ json.dump(run, open(sys.argv[4], "w"))
     return root
 
 
-def test_runs_every_tree_in_turn(tmp_path):
-    base = _fake_tree(tmp_path / "base", [10.0, 9.0], hbm=[4.541, 4.6])
-    new = _fake_tree(tmp_path / "new", [8.1, 9.9])
-    done = subprocess.run([sys.executable, str(SCRIPT), str(base), str(new), "--passes", "2", "--shapes", "k3-tp8"],
+def test_runs_every_tree_in_turn_every_other_pass_reversed(tmp_path):
+    base = _fake_tree(tmp_path / "base", [10.0, 9.0, 9.5], hbm=[4.541, 4.6, 4.5])
+    new = _fake_tree(tmp_path / "new", [8.1, 9.9, 8.5])
+    done = subprocess.run([sys.executable, str(SCRIPT), str(base), str(new), "--passes", "3", "--shapes", "k3-tp8"],
                           capture_output=True, text=True, check=True)
-    assert done.stdout.splitlines() == ["shape B | base | new", "k3-tp8 1 | 10.00/9.00 | 8.10/9.90 (-10.0 %)",
-                                        "HBM read TB/s, each pass | 4.54/4.60 | ?/?"]
-    assert done.stderr.splitlines() == ["pass 1/2: base", "pass 1/2: new", "pass 2/2: base", "pass 2/2: new"]
+    assert done.stdout.splitlines() == ["shape B | base | new",
+                                        "k3-tp8 1 | 10.00/9.00/9.50 | 8.10/9.90/8.50 (-10.0 %)",
+                                        "HBM read TB/s, each pass | 4.54/4.60/4.50 | ?/?/?"]
+    assert done.stderr.splitlines() == ["pass 1/3: base", "pass 1/3: new", "pass 2/3: new", "pass 2/3: base",
+                                        "pass 3/3: base", "pass 3/3: new"]
 
 
 def test_build_logs_under_build_and_stops_on_failure(tmp_path):
