@@ -9,9 +9,9 @@ its fastest pass against the first tree's fastest, then each pass's HBM read (th
 bandwidth). Machines differ (HBM read 4.5-4.65 TB/s) and so do processes on one machine (B >= 16
 moved 2-5 % between passes of one build), by more than most kernel changes, so a change is read
 only beside its base, alternating, in one run. Every other pass runs the trees in reverse order:
-under --warmup-ms, k3-tp8 B = 8-16 read 1.9-3.1 % slower for the tree run second in each pass than
-for the same tree run first (session 49), a drift that a fixed order puts on one tree alone; run
-an even number of passes there.
+under --warmup-ms, two runs of two trees in a fixed order, one in each order, read k3-tp8 B = 8-16
+1.9-3.1 % slower for whichever tree ran second in a pass (session 49, calls 4-5); a fixed order puts
+such drift on one tree alone, an alternating one on both. Run an even number of passes there.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --warmup-ms
 reaches bench_experts.py (each graph replayed that long before it is timed: sustained load), and so
 does --combine (the fused combine instead of per-slot rows; every tree's bench_experts.py must know it).
