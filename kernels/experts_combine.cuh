@@ -154,6 +154,7 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
       hi = fmaf(wk, y.y, hi);
     }
   }
+  if (__float_as_uint(lo) != ~0u) KX_MARK_NS(kMarkCombineSummedNs); /* after the sums: lo is theirs */
   if (half != 0) return;
   if (nan_row) lo = hi = __int_as_float(0x7FC00000);
   store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + piece * 2 * kWordPieceWords + 2 * w, lo, hi);

@@ -51,7 +51,7 @@ enum MarkSlot {
   kMarkPastJoin,    /* the weight warp passed the CTA barrier that joins routing and x */
   kMarkXSeen,       /* activation warp 0 saw every CTA's x counted */
   kMarkTilesDoneNs, /* %globaltimer: the MMA warps left their tiles (before a combined launch's combine) */
-  kMarkCombinePolledNs, /* ... MMA warp 0's first poll of its last strip's row words returned */
+  kMarkCombinePolledNs, /* ... MMA warp 0's first poll of its last strip's (piece's) row words returned */
   kMarkCombineSeenNs, /* ... and it has them all tagged, after kMarkCombinePolls polls (a count) */
   kMarkCombinePolls,
   kMarkCombineSummedNs, /* ... and has summed them, before its stores */
