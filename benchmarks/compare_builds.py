@@ -103,9 +103,9 @@ def main():
             build(tree)
     times: dict = {}
     hbm: dict = {}
+    order = list(zip(args.trees, names))
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(args.passes):
-            order = list(zip(args.trees, names))
             for tree, name in order if p % 2 == 0 else order[::-1]:
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
                 run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"), args.warmup_ms,
