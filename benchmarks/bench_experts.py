@@ -1,7 +1,7 @@
 """The routed experts (SPEC 3, 6) on the GPU against the HBM floor.
 
     python benchmarks/bench_experts.py [--replays 60] [--layers 8] [--rounds 1] [--warmup-ms 0] [--combine]
-                                       [--out benchmarks/results/experts-h200.json]
+                                       [--routing uniform] [--out benchmarks/results/experts-h200.json]
 
 Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 shard
 (I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large).
@@ -18,7 +18,9 @@ Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 
   read bandwidth measured in this run (probe_read over 4 GiB).
 - ratio = us / floor_us;  TBps = weight bytes / us.
 Routing is uniform at random without repeats in a token (fixed seed), the case a
-serving router produces. Writes JSON and a PNG (when matplotlib is there), prints a table.
+serving router produces. Study: --routing zipf-S or same (common.ids_by_routing) skews it, so
+that experts get more than a unit's 8 tokens (max_expert_tokens in each row); the floor stays
+the distinct experts' bytes. Writes JSON and a PNG (when matplotlib is there), prints a table.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
-                    random_mxfp4_layer, refuse_study_over_record, routed_ids, write_json)
+from common import (ROUTINGS, graph_replay_time_us, ids_by_routing, measure_hbm_read_bandwidth,  # noqa: E402
+                    parse_routing, print_table, random_mxfp4_layer, refuse_study_over_record, write_json)
 
 SHAPES = {
     "k3-tp8": dict(H=3584, I=384, E=384, top_k=16, hidden_scale="floor"),
@@ -37,7 +39,8 @@ SHAPES = {
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0, combine=False):
+def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0, combine=False,
+                routing="uniform"):
     top_k = shape["top_k"]
     moes = []
     for l in range(layers):
@@ -50,18 +53,20 @@ def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1,
     rows = []
     for B in batches:
         x = torch.randn(B, shape["H"], device="cuda").to(torch.bfloat16)
-        ids = routed_ids(torch, torch.Generator().manual_seed(B), B, top_k, shape["E"]).cuda()
+        ids = ids_by_routing(torch, routing, torch.Generator().manual_seed(B), B, top_k, shape["E"]).cuda()
         weights = torch.rand(B, top_k, device="cuda") if combine else None
         out = torch.empty(B if combine else B * top_k, shape["H"], dtype=torch.bfloat16, device="cuda")
         for m in moes:
             m.prepare(B, scratch, out, combine=combine)
         us = graph_replay_time_us(lambda: [m.run(x, ids, weights) for _ in range(rounds) for m in moes],
                                   replays=replays, warmup_ms=warmup_ms) / (layers * rounds)
-        distinct = int(torch.unique(ids).numel())
+        tokens_per_expert = torch.bincount(ids.flatten().long())
+        distinct = int((tokens_per_expert > 0).sum())
         weight_bytes = distinct * per_expert
         floor_us = weight_bytes / (hbm * 1e12) * 1e6
-        rows.append(dict(shape=name, B=B, distinct_experts=distinct, weight_bytes=int(weight_bytes),
-                         us=us, floor_us=floor_us, ratio=us / floor_us, TBps=weight_bytes / us / 1e6))
+        rows.append(dict(shape=name, B=B, distinct_experts=distinct, max_expert_tokens=int(tokens_per_expert.max()),
+                         weight_bytes=int(weight_bytes), us=us, floor_us=floor_us, ratio=us / floor_us,
+                         TBps=weight_bytes / us / 1e6))
         print(f"  {name} B={B}: {us:.2f} us, floor {floor_us:.2f} us, ratio {us / floor_us:.2f}", flush=True)
     del moes, scratch
     torch.cuda.empty_cache()
@@ -103,6 +108,7 @@ def main():
     ap.add_argument("--batches", help="only these B, comma-separated (a study, not the record)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--combine", action="store_true", help="time the fused combine (z [B, H]) instead of per-slot rows")
+    ap.add_argument("--routing", default="uniform", help=f"{ROUTINGS} (a study unless uniform)")
     ap.add_argument("--out", help="the JSON (default: the record, results/experts-h200.json, or with --combine "
                                   "results/experts-combined-h200.json)")
     args = ap.parse_args()
@@ -121,6 +127,11 @@ def main():
     if args.warmup_ms < 0:
         ap.error("--warmup-ms: at least 0")
     refuse_study_over_record(ap, "--warmup-ms", args.warmup_ms > 0, args.out, record)
+    try:
+        parse_routing(args.routing)
+    except ValueError as e:
+        ap.error(f"--routing: {e}")
+    refuse_study_over_record(ap, "--routing", args.routing != "uniform", args.out, record)
     if args.batches:
         refuse_study_over_record(ap, "--batches", True, args.out, record)
         if not all(b.isdigit() and int(b) >= 1 for b in args.batches.split(",")):
@@ -139,11 +150,12 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds,
-                            args.warmup_ms, args.combine)
+                            args.warmup_ms, args.combine, args.routing)
     write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays,
-               warmup_ms=args.warmup_ms, output="combined" if args.combine else "rows")
+               warmup_ms=args.warmup_ms, output="combined" if args.combine else "rows", routing=args.routing)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
-    print_table(rows, ["shape", "B", "distinct_experts", "weight_bytes", "us", "floor_us", "ratio", "TBps"])
+    print_table(rows, ["shape", "B", "distinct_experts", "max_expert_tokens", "weight_bytes", "us", "floor_us", "ratio",
+                       "TBps"])
 
 
 if __name__ == "__main__":

@@ -159,6 +159,40 @@ def routed_ids(torch, generator, batch: int, top_k: int, experts: int):
                         for _ in range(batch)]).to(torch.int32)
 
 
+ROUTINGS = "uniform, same or zipf-S (S > 0)"
+
+
+def parse_routing(text: str):
+    """("uniform", 0.0), ("same", 0.0) or ("zipf", S) from --routing's text; ValueError otherwise."""
+    if text in ("uniform", "same"):
+        return text, 0.0
+    if text.startswith("zipf-"):
+        try:
+            s = float(text[len("zipf-"):])
+        except ValueError:
+            s = float("nan")
+        if s > 0 and math.isfinite(s):
+            return "zipf", s
+    raise ValueError(f"routing {text!r}: {ROUTINGS}")
+
+
+def ids_by_routing(torch, routing: str, generator, batch: int, top_k: int, experts: int):
+    """int32 [batch, top_k] on the CPU, top_k distinct experts per token, drawn from `generator`:
+    uniform (routed_ids: the record's routing); zipf-S, with probability proportional to
+    rank^-S over a random order of the experts (a router's skew on real text, which puts more
+    than a unit's 8 tokens on the hot experts: session 45's study); same, every token on the
+    same top_k experts (the worst case)."""
+    kind, s = parse_routing(routing)
+    if kind == "uniform":
+        return routed_ids(torch, generator, batch, top_k, experts)
+    order = torch.randperm(experts, generator=generator)  # which experts are hot
+    if kind == "same":
+        return order[:top_k].to(torch.int32).repeat(batch, 1)
+    p = torch.arange(1, experts + 1, dtype=torch.float64) ** -s
+    return order[torch.multinomial(p.expand(batch, experts), top_k, replacement=False,
+                                   generator=generator)].to(torch.int32)
+
+
 def refuse_study_over_record(parser, option: str, given: bool, out: str, record: str) -> None:
     """Ends the run through ``parser.error`` when a study ``option`` was given and ``out`` is the
     record's path: a study's figures must not replace the record."""

@@ -1,7 +1,7 @@
 """Same-machine A/B timing of built trees of this repository.
 
     python benchmarks/compare_builds.py TREE [TREE ...] [--passes 3] [--shapes k3-tp8,tp16] [--build]
-                                        [--warmup-ms T] [--combine]
+                                        [--warmup-ms T] [--combine] [--routing uniform]
 
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
@@ -14,7 +14,8 @@ under --warmup-ms, two runs of two trees in a fixed order, one in each order, re
 such drift on one tree alone, an alternating one on both. Run an even number of passes there.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --warmup-ms
 reaches bench_experts.py (each graph replayed that long before it is timed: sustained load), and so
-does --combine (the fused combine instead of per-slot rows; every tree's bench_experts.py must know it).
+do --combine (the fused combine instead of per-slot rows) and --routing (skewed ids); every tree's
+bench_experts.py must know the options given.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def build(tree: str) -> None:
         sys.exit(f"building {tree} failed: see {log}")
 
 
-def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0, combine: bool = False) -> dict:
+def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0, combine: bool = False,
+          routing: str = "uniform") -> dict:
     """One bench_experts.py run of tree: its JSON (rows, the run's HBM read)."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = [sys.executable, "benchmarks/bench_experts.py", "--shapes", shapes, "--out", out]
@@ -52,6 +54,8 @@ def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: floa
         cmd += ["--warmup-ms", str(warmup_ms)]
     if combine:
         cmd += ["--combine"]
+    if routing != "uniform":
+        cmd += ["--routing", routing]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         return json.load(f)
@@ -90,6 +94,7 @@ def main():
     ap.add_argument("--build", action="store_true", help="build each tree in place first")
     ap.add_argument("--warmup-ms", type=float, default=0.0, help="bench_experts.py --warmup-ms")
     ap.add_argument("--combine", action="store_true", help="bench_experts.py --combine")
+    ap.add_argument("--routing", default="uniform", help="bench_experts.py --routing")
     args = ap.parse_args()
     names = tree_names(args.trees)
     if args.build:
@@ -98,13 +103,13 @@ def main():
             build(tree)
     times: dict = {}
     hbm: dict = {}
+    order = list(zip(args.trees, names))
     with tempfile.TemporaryDirectory() as tmp:
         for p in range(args.passes):
-            order = list(zip(args.trees, names))
             for tree, name in order if p % 2 == 0 else order[::-1]:
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
                 run = bench(tree, args.shapes, args.batches, os.path.join(tmp, "rows.json"), args.warmup_ms,
-                            args.combine)
+                            args.combine, args.routing)
                 hbm.setdefault(name, []).append(run.get("hbm_read_TBps"))
                 for row in run["rows"]:
                     times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])

@@ -43,7 +43,7 @@ __device__ __forceinline__ void poll_row_words(const Params &p, const uint32_t (
       if (pending >> i & 1) word[i] = load_relaxed(p.row_words + at[i]);
 #pragma unroll
     for (int i = 0; i < kSlots; ++i)
-      if ((pending >> i & 1) && (uint32_t)(word[i] >> 32) == (uint32_t)call) {
+      if ((pending >> i & 1) && row_word_is_calls(word[i], call)) {
         v[i] = (uint32_t)word[i];
         pending &= ~(1u << i);
       }

@@ -188,8 +188,7 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
   const __nv_bfloat16 hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
   if (p.route_weights) {
     const uint32_t bits = (uint32_t)__bfloat16_as_ushort(lo) | (uint32_t)__bfloat16_as_ushort(hi) << 16;
-    store_relaxed(p.row_words + (int64_t)where * (p.shape.hidden / 2) + strip * 8 + (lane >> 2),
-                  call << 32 | bits);
+    store_relaxed(p.row_words + (int64_t)where * (p.shape.hidden / 2) + strip * 8 + (lane >> 2), row_word(call, bits));
     return;
   }
   for (uint32_t m = where; m != 0; m &= m - 1) {

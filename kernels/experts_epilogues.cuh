@@ -165,13 +165,13 @@ __device__ void store_fc2_sums(const Params &p, const float *reduce, const Unit 
     float v[4];
     reduced4(reduce, strips, strip, row, token_i, mult, v);
     if (p.route_weights) {
-      const int64_t row = unit.row0 + token_i;
+      const int64_t y_row = unit.row0 + token_i; /* the token's hidden row */
       if (rows_as_words(p)) {
-        unsigned long long *words = p.row_words + row * (H / 2) + col0 / 2;
-        store_relaxed(words, call << 32 | bf16x2_bits(v[0], v[1]));
-        store_relaxed(words + 1, call << 32 | bf16x2_bits(v[2], v[3]));
+        unsigned long long *words = p.row_words + y_row * (H / 2) + col0 / 2;
+        store_relaxed(words, row_word(call, bf16x2_bits(v[0], v[1])));
+        store_relaxed(words + 1, row_word(call, bf16x2_bits(v[2], v[3])));
       } else {
-        store_bf16x4(p.y + row * H + col0, v);
+        store_bf16x4(p.y + y_row * H + col0, v);
       }
     } else {
       for (uint32_t m = t_slots; m != 0; m &= m - 1)

@@ -146,6 +146,15 @@ KX_HOST_DEVICE bool row_words_fit(const kx_moe_shape &s, int tokens) {
   return tokens <= kRowWordsMaxTokens && (int64_t)tokens * s.top_k * (s.hidden / 2) <= kRowWords;
 }
 
+/* A row word: two bf16 (the first in the low half) under the call's tag, and whether a word
+ * read back carries this call's tag (its data is then this call's). */
+__device__ __forceinline__ unsigned long long row_word(unsigned long long call, uint32_t two_bf16) {
+  return call << 32 | two_bf16;
+}
+__device__ __forceinline__ bool row_word_is_calls(unsigned long long word, unsigned long long call) {
+  return (uint32_t)(word >> 32) == (uint32_t)call;
+}
+
 /* ---- scratch (global) layout: one place, used by host and device ---------------- */
 constexpr int kMaxGrid = 1024;
 constexpr int kMaxUnits = max_units_for(kMaxPairs);

@@ -26,6 +26,9 @@ def _run(script, *args):
      "--out: experts-combined-h200.json is the combined output's record"),
     ("bench_experts.py", ["--rounds", "0", "--out", "x.json"], "--rounds: at least 1"),
     ("bench_experts.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
+    ("bench_experts.py", ["--routing", "zipf-0.8"], "--routing: give --out"),
+    ("bench_experts.py", ["--routing", "zipf", "--out", "x.json"],
+     "--routing: routing 'zipf': uniform, same or zipf-S"),
     ("bench_gemm.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
     ("bench_gemm.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
 ])

@@ -77,7 +77,7 @@ def test_build_logs_under_build_and_stops_on_failure(tmp_path):
     assert "no compiler" in (bad / "build" / "compare_builds.log").read_text()
 
 
-def test_batches_warmup_and_combine_reach_each_run(tmp_path):
+def test_batches_warmup_combine_and_routing_reach_each_run(tmp_path):
     tree = tmp_path / "t"
     bench = tree / "benchmarks" / "bench_experts.py"
     bench.parent.mkdir(parents=True)
@@ -97,3 +97,6 @@ json.dump({{"rows": [{{"shape": "tp16", "B": 2, "us": 3.0}}]}}, open(sys.argv[sy
     subprocess.run([sys.executable, str(SCRIPT), str(tree), "--passes", "1", "--shapes", "tp16", "--combine"],
                    capture_output=True, text=True, check=True)
     assert (tree / "argv").read_text().splitlines()[3].endswith(" --combine")
+    subprocess.run([sys.executable, str(SCRIPT), str(tree), "--passes", "1", "--shapes", "tp16",
+                    "--routing", "zipf-1.2"], capture_output=True, text=True, check=True)
+    assert (tree / "argv").read_text().splitlines()[4].endswith(" --routing zipf-1.2")
