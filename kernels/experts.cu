@@ -45,8 +45,7 @@
  *      done the MMA warps of the grid take the (token, piece) items in turn, wait for the
  *      count and sum the slots' rows in slot order (combine_by_counts). Launches of a few
  *      tokens store the rows as tagged words instead, which the items poll (combine_by_words),
- *      and one-token launches whose MMA warps store the rows leave them to the MMA warps of
- *      each last unit's tile (combine_strip_by_tags).
+ *      as do one-token launches whose MMA warps store the rows (in their fragment order).
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.
@@ -236,8 +235,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     }
     KX_MARK_NS(kMarkTilesDoneNs);
     if (p.route_weights) {
-      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_last_unit_by_tags(p, r, fc1_tiles, call);
-      else if (rows_as_words(p)) combine_by_words(p, r, call);
+      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true>(p, r, call);
+      else if (rows_as_words(p)) combine_by_words<false>(p, r, call);
       else combine_by_counts(p, r);
     }
     KX_MARK_NS(kMarkExitNs);

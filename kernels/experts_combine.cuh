@@ -1,6 +1,7 @@
 /* experts_combine.cuh: the fused combine (SPEC 3 step 6), z[t] = bf16(sum_j w[t, j] y[t, j]),
  * each column one fmaf chain from 0 in slot order, run by the MMA warps once their tiles are
- * done. Launches of a few tokens poll FC2's rows as tagged row words (rows_as_words); every other
+ * done. Launches of a few tokens (one-token launches whose MMA warps store the rows,
+ * fc2_rows_by_mma_warps, among them) poll FC2's rows as tagged row words (rows_as_words); every other
  * combined launch reads them from y once the (token, piece) counter has counted every expert of
  * the token in.
  * One translation unit with experts.cu, which includes its parts in order. */
@@ -96,15 +97,17 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
 }
 
 /* The launch's (token, piece) items go round every MMA warp of the grid: warp w of CTA b takes
- * b + grid (w + 16 k). They wait after the warp's tiles, for FC2 tiles that other CTAs' epilogue
- * warps finish without waiting on any MMA warp, so the grid cannot deadlock. On the epilogue warp
+ * b + grid (w + 16 k). They wait after the warp's tiles, for FC2 tiles of other CTAs, which
+ * no combine holds up (every CTA is resident), so the grid cannot deadlock. On the epilogue warp
  * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
  * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
 template <class CombinePiece>
 __device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
                                               CombinePiece combine_piece_of) {
   const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces;
-  for (int i = blockIdx.x + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
+  unsigned cta; /* read here: hoisted to the kernel's start, blockIdx.x + grid * warp spilled in the one-token kernel */
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+  for (int i = (int)cta + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
     if (r.token_experts[t] != 0) combine_piece_of(t, i - t * pieces); /* else write_nan_rows' */
   }
@@ -115,14 +118,16 @@ __device__ void combine_by_counts(const Params &p, const Routing &r) {
 }
 
 /* ---- a few tokens, through tagged row words --------------------------------------------- */
-/* z[t, piece's 32 columns] from the slots' row words (store_fc2_sums' order: word w holds columns
- * 2w and 2w + 1), polled until each carries the call's tag: no counter to wait for or reset, no
+/* z[t, piece's 32 columns] from the slots' row words, polled until each carries the call's tag
+ * (kFragmentOrder: one-token rows from the MMA warps, store_token_rows' order; else
+ * store_fc2_sums', word w holding columns 2w and 2w + 1): no counter to wait for or reset, no
  * fence. In rounds of 16 slots, lane w + 16 h holds word w of slots 8h .. 8h + 7 of the round (8
  * words, 16 registers, in flight a lane: 32 spilled in combine_piece's first form); lane w then
  * sums all 16 in slot order, the other half's by shuffle (the fmaf chain of combine_piece, so the
  * same bits). */
 constexpr int kWordPieceWords = 16;
 
+template <bool kFragmentOrder>
 __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int piece, unsigned long long call) {
   constexpr int kSlotsPerLane = 8;
   const int lane = threadIdx.x & 31, w = lane % kWordPieceWords, half = lane / kWordPieceWords;
@@ -157,69 +162,20 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
   if (__float_as_uint(lo) != ~0u) KX_MARK_NS(kMarkCombineSummedNs); /* after the sums: lo is theirs */
   if (half != 0) return;
   if (nan_row) lo = hi = __int_as_float(0x7FC00000);
-  store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + piece * 2 * kWordPieceWords + 2 * w, lo, hi);
-}
-
-__device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
-  combine_items(p, r, 2 * kWordPieceWords, [&](int t, int piece) { combine_word_piece(p, r, t, piece, call); });
-}
-
-/* ---- one token, through tagged row words ------------------------------------------------ */
-/* The combine of a one-token combined launch (SPEC 3 step 6) by the MMA warps of the CTA that
- * stored the last unit's FC2 tile of a column tile: warp w sums strip w's 16 columns over the token's
- * slots, in slot order, from their tagged row words, polled until each carries the call's tag.
- * In rounds of 16 slots, lane (g, q) holds slots q, q + 4, q + 8, q + 12 of the round for
- * columns g and g + 8, and lanes q = 0 sum them (the fmaf chain of combine_piece, so the
- * same bits). A CTA waits here after its tiles, for FC2 tiles that other CTAs reach without
- * waiting on it, so the grid cannot deadlock. */
-__device__ void combine_strip_by_tags(const Params &p, const Routing &r, int tile, unsigned long long call) {
-  constexpr int kSlotsPerLane = 4; /* 16 slots a round over the lanes q = 0..3 */
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, K = p.shape.top_k;
-  const int strip = tile * kConsumerWarps + (int)(threadIdx.x >> 5), words_per_row = p.shape.hidden / 2;
-  const bool nan_row = r.token_bad[0] != 0; /* a bad id in any slot (route_one_warp) */
-  float lo = 0.0f, hi = 0.0f;
-  for (int j0 = 0; j0 < K && !nan_row; j0 += 4 * kSlotsPerLane) {
-    float w[4 * kSlotsPerLane]; /* the round's routing weights, in flight with the poll */
-#pragma unroll
-    for (int k = 0; k < 4 * kSlotsPerLane; ++k) w[k] = j0 + k < K ? __ldg(&p.route_weights[j0 + k]) : 0.0f;
-    uint32_t v[kSlotsPerLane] = {};
-    uint32_t at[kSlotsPerLane]; /* slot j0 + q + 4 i's word, in row_words (< kRowWords) */
-    uint32_t pending = 0; /* bit i: slot j0 + q + 4 i, whose word has not shown the call's tag yet */
-#pragma unroll
-    for (int i = 0; i < kSlotsPerLane; ++i) {
-      const int j = j0 + q + 4 * i;
-      pending |= (uint32_t)(j < K) << i;
-      const int row = j < K ? hidden_row(r, r.expert_slot[r.pair_expert[j]], 0) : 0;
-      at[i] = (uint32_t)(row * words_per_row + strip * 8 + g);
-    }
-    poll_row_words(p, at, pending, call, v);
-    /* every slot's bits first, then the chain: ~1.4 kcycles when each step waited for its own
-     * shuffle and weight (session 47, clock64 marks) */
-    uint32_t bits[4 * kSlotsPerLane];
-#pragma unroll
-    for (int k = 0; k < 4 * kSlotsPerLane; ++k) bits[k] = __shfl_sync(0xFFFFFFFFu, v[k / 4], g * 4 + k % 4);
-#pragma unroll
-    for (int k = 0; k < 4 * kSlotsPerLane; ++k) {
-      if (j0 + k >= K) break;
-      lo = fmaf(w[k], __bfloat162float(__ushort_as_bfloat16((unsigned short)bits[k])), lo);
-      hi = fmaf(w[k], __bfloat162float(__ushort_as_bfloat16((unsigned short)(bits[k] >> 16))), hi);
-    }
+  __nv_bfloat16 *z = p.out + (int64_t)(p.tok0 + t) * p.out_ld + piece * 2 * kWordPieceWords;
+  if constexpr (kFragmentOrder) { /* word w: columns 16 (w / 8) + w % 8 and that + 8 (store_token_rows) */
+    z += 16 * (w / 8) + w % 8;
+    z[0] = __float2bfloat16_rn(lo);
+    z[8] = __float2bfloat16_rn(hi);
+  } else {
+    store_bf16x2(z + 2 * w, lo, hi);
   }
-  if (__float_as_uint(lo) != ~0u) KX_MARK_NS(kMarkCombineSummedNs); /* after the sums: lo is theirs */
-  if (q != 0) return;
-  __nv_bfloat16 *dst = p.out + (int64_t)p.tok0 * p.out_ld + strip * kStripRows + g;
-  dst[0] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(lo);
-  dst[8] = nan_row ? __ushort_as_bfloat16(kBf16Nan) : __float2bfloat16_rn(hi);
 }
 
-/* The combines this CTA's MMA warps owe (combine_strip_by_tags): its tiles of the last unit,
- * after all its tiles (at B = 1 they are its last ones; the loop's registers are free again). */
-__device__ __forceinline__ void combine_last_unit_by_tags(const Params &p, const Routing &r, int fc1_tiles,
-                                                          unsigned long long call) {
-  const int units = r.totals[1], first = fc1_tiles + (units - 1) * p.fc2.tiles, end = first + p.fc2.tiles;
-  if (units == 0) return;
-  for (int index = first + (blockIdx.x + gridDim.x - first % gridDim.x) % gridDim.x; index < end; index += gridDim.x)
-    combine_strip_by_tags(p, r, index - first, call);
+template <bool kFragmentOrder>
+__device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
+  combine_items(p, r, 2 * kWordPieceWords,
+                [&](int t, int piece) { combine_word_piece<kFragmentOrder>(p, r, t, piece, call); });
 }
 
 }  // namespace

@@ -290,7 +290,7 @@ struct Params {
 /* Whether FC2's rows go out from the MMA warps (store_token_rows) instead of an epilogue
  * warp: one-token launches (tagged, block-scaled hidden rows) with one MMA warp per FC2 strip, so
  * there are no partial sums to add; combined, as tagged row words (row_words_fit), which the MMA
- * warps of the last unit's tiles combine (combine_strip_by_tags). The hop through an epilogue
+ * warps of the grid combine (combine_by_words<true>). The hop through an epilogue
  * warp is the call's last step there (session 28: -2.3 % at B = 1 without it). */
 __device__ __forceinline__ bool fc2_rows_by_mma_warps(const Params &p, bool one_token) {
   return one_token && p.fc2.strips == kConsumerWarps && (!p.route_weights || row_words_fit(p.shape, 1));

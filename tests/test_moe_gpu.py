@@ -165,7 +165,7 @@ BIG_ROWS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_s
 
 
 def test_combine_paths_at_wide_rows(kx):
-    """The three combines at H = 24576: the MMA warps' row words at B = 1 (combine_strip_by_tags),
+    """The three combines at H = 24576: the MMA warps' row words at B = 1 (combine_by_words<true>),
     the epilogue warps' row words at B = 2 (combine_by_words) and y with its arrival counters at
     B = 64 (combine_by_counts): the reference's output and the slot-order sum of the layer's own
     rows."""
