@@ -45,7 +45,8 @@
  *      done the MMA warps of the grid take the (token, piece) items in turn, wait for the
  *      count and sum the slots' rows in slot order (combine_by_counts). Launches of a few
  *      tokens store the rows as tagged words instead, which the items poll (combine_by_words),
- *      as do one-token launches whose MMA warps store the rows (in their fragment order).
+ *      as do one-token launches whose MMA warps store the rows (in their fragment order; their
+ *      items go to the CTAs that end their tiles first, one_token_cta_rank).
  *   No step cleans up: flags and counters in scratch are compared with the call's number
  *   (SyncWords), so a CTA leaves as soon as its warps are done, and any layer that
  *   shares the scratch can run next.

@@ -96,25 +96,54 @@ __device__ void combine_piece(const Params &p, const Routing &r, int t, int piec
   store_bf16x2(p.out + (int64_t)(p.tok0 + t) * p.out_ld + c, z0, z1);
 }
 
-/* The launch's (token, piece) items go round every MMA warp of the grid: warp w of CTA b takes
- * b + grid (w + 16 k). They wait after the warp's tiles, for FC2 tiles of other CTAs, which
- * no combine holds up (every CTA is resident), so the grid cannot deadlock. On the epilogue warp
- * of each token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind
- * it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
-template <class CombinePiece>
+/* This CTA's place in the order in which one-token launches' CTAs end their tiles, earliest first
+ * (ties by index). Tiles go round the grid (tile i to CTA i % grid), FC1's then FC2's, so the CTAs
+ * fall into three runs: [0, lo) with one more FC1 tile and one more tile than [hi, grid), and
+ * [lo, hi) with one more FC1 tile (fc1_tiles % grid > total_tiles % grid) or one more tile. One
+ * token's FC2 tiles wait for other CTAs' hidden words, so the CTAs with the fewest FC2 tiles end
+ * first, and among equals those with the fewest chunks (marks, session 50: at k3-tp8 the CTAs of
+ * 2 FC1 and 1 FC2 tiles by 13.1 us, of 1 and 2 up to 14.3, of 2 and 2 at 14.1-14.3; TP16's of 1 and
+ * 1 by 9.5, of 0 and 2 and of 1 and 2 up to 10.8-11.0). */
+__device__ __forceinline__ int one_token_cta_rank(const Params &p, int cta, int units) {
+  const int grid = gridDim.x, fc1_tiles = units * p.fc1.tiles, total_tiles = fc1_tiles + units * p.fc2.tiles;
+  const int r1 = fc1_tiles % grid, rt = total_tiles % grid, lo = min(r1, rt), hi = max(r1, rt);
+  /* each run's FC1 and FC2 tiles over the run [hi, grid)'s, as one key: FC2 tiles first, then chunks */
+  const auto key = [&](int more_fc1, int more_tiles) {
+    const int more_fc2 = more_tiles - more_fc1;
+    return more_fc2 * (1 << 16) + more_fc1 * p.fc1.chunks() + more_fc2 * p.fc2.chunks();
+  };
+  const int key0 = key(1, 1), key1 = key(r1 > rt, rt > r1), key2 = 0;
+  const int run = cta < lo ? 0 : cta < hi ? 1 : 2, mine = run == 0 ? key0 : run == 1 ? key1 : key2;
+  const auto before = [&](int key_q, int q) { return key_q < mine || (key_q == mine && q < run); };
+  return cta - (run == 0 ? 0 : run == 1 ? lo : hi) + (before(key0, 0) ? lo : 0) + (before(key1, 1) ? hi - lo : 0) +
+         (before(key2, 2) ? grid - hi : 0);
+}
+
+/* The launch's (token, piece) items go to every MMA warp of the grid: warp w of CTA b takes
+ * b + grid (w + 16 k), or in one-token launches whose MMA warps store the rows (kOneToken) the
+ * CTAs that end their tiles first
+ * take them, all 16 warps of a CTA before the next (warp w of the CTA of rank k: 16 k + w + 16 grid j;
+ * -2.8 % at k3-tp8 B = 1 combined with session 49's ranks by chunks, which gained nothing at B >= 2
+ * and put TP16's items on CTAs that end late). They wait after the warp's tiles, for FC2 tiles of
+ * other CTAs, which no combine holds up (every CTA is resident), so the grid cannot deadlock. On the
+ * epilogue warp of each token's last arriving tile (v79-v85) the combine's round trips held up the
+ * tiles behind it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
+template <bool kOneToken, class CombinePiece>
 __device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
                                               CombinePiece combine_piece_of) {
-  const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces;
+  const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces, warp = (int)(threadIdx.x >> 5);
   unsigned cta; /* read here: hoisted to the kernel's start, blockIdx.x + grid * warp spilled in the one-token kernel */
   asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
-  for (int i = (int)cta + gridDim.x * (int)(threadIdx.x >> 5); i < items; i += gridDim.x * kConsumerWarps) {
+  const int first = kOneToken ? one_token_cta_rank(p, (int)cta, r.totals[1]) * kConsumerWarps + warp
+                              : (int)cta + gridDim.x * warp;
+  for (int i = first; i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
     if (r.token_experts[t] != 0) combine_piece_of(t, i - t * pieces); /* else write_nan_rows' */
   }
 }
 
 __device__ void combine_by_counts(const Params &p, const Routing &r) {
-  combine_items(p, r, kMinTileCols, [&](int t, int piece) { combine_piece(p, r, t, piece); });
+  combine_items<false>(p, r, kMinTileCols, [&](int t, int piece) { combine_piece(p, r, t, piece); });
 }
 
 /* ---- a few tokens, through tagged row words --------------------------------------------- */
@@ -174,7 +203,7 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
 
 template <bool kFragmentOrder>
 __device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
-  combine_items(p, r, 2 * kWordPieceWords,
+  combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords,
                 [&](int t, int piece) { combine_word_piece<kFragmentOrder>(p, r, t, piece, call); });
 }
 
