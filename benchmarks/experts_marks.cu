@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -392,6 +393,21 @@ int main(int argc, char **argv) {
            ns_after(c, kMarkWaitedNs), ns_after(c, kMarkTilesDoneNs), ns_after(c, kMarkCombinePolledNs),
            ns_after(c, kMarkCombineSeenNs), ns(c, kMarkCombinePolls), ns_after(c, kMarkCombineSummedNs),
            ns_after(c, kMarkExitNs), chunks_of(c), i % 2 == 1 ? "\n" : " |");
+  }
+  /* which CTAs leave their tiles first: by the CTA's FC1 and FC2 tiles, when their tiles were done */
+  printf("tiles done (us after the first wait) by the CTA's FC1 / FC2 tiles: CTAs, first CTA, min / median / max\n");
+  std::map<std::pair<int, int>, std::vector<std::pair<double, int>>> by_tiles;
+  for (int c = 0; c < grid; ++c) {
+    int n1 = 0;
+    for (int index : tiles_of[c]) n1 += index < fc1_tiles;
+    by_tiles[{n1, (int)tiles_of[c].size() - n1}].push_back({ns_after(c, kMarkTilesDoneNs), c});
+  }
+  for (auto &[tiles, done] : by_tiles) {
+    std::sort(done.begin(), done.end());
+    int first = grid;
+    for (auto &d : done) first = std::min(first, d.second);
+    printf("  %d / %d: %3zu CTAs from %3d, %6.2f / %6.2f / %6.2f\n", tiles.first, tiles.second, done.size(), first,
+           done.front().first, done[done.size() / 2].first, done.back().first);
   }
   for (Dev *d : packed) delete d;
   return 0;
