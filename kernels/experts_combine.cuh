@@ -120,14 +120,14 @@ __device__ __forceinline__ int one_token_cta_rank(const Params &p, int cta, int 
 }
 
 /* The launch's (token, piece) items go to every MMA warp of the grid: warp w of CTA b takes
- * b + grid (w + 16 k), or in one-token launches whose MMA warps store the rows (kOneToken) the
- * CTAs that end their tiles first
- * take them, all 16 warps of a CTA before the next (warp w of the CTA of rank k: 16 k + w + 16 grid j;
- * -2.8 % at k3-tp8 B = 1 combined with session 49's ranks by chunks, which gained nothing at B >= 2
- * and put TP16's items on CTAs that end late). They wait after the warp's tiles, for FC2 tiles of
- * other CTAs, which no combine holds up (every CTA is resident), so the grid cannot deadlock. On the
- * epilogue warp of each token's last arriving tile (v79-v85) the combine's round trips held up the
- * tiles behind it: timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
+ * b + grid (w + 16 k). In one-token launches whose MMA warps store the rows (kOneToken) the CTAs
+ * that end their tiles first take them instead, all 16 warps of a CTA before the next (warp w of
+ * the CTA of rank k: 16 k + w + 16 grid j; v89: k3-tp8 / TP16 B = 1 combined -3.0 / -4.9 %; ranked
+ * by chunks alone, as session 49 tried at every B, TP16's went to CTAs that end late, and B >= 2
+ * gained nothing). They wait after the warp's tiles, for FC2 tiles of other CTAs, which no combine
+ * holds up (every CTA is resident), so the grid cannot deadlock. On the epilogue warp of each
+ * token's last arriving tile (v79-v85) the combine's round trips held up the tiles behind it:
+ * timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
 template <bool kOneToken, class CombinePiece>
 __device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
                                               CombinePiece combine_piece_of) {
