@@ -394,6 +394,18 @@ int main(int argc, char **argv) {
            ns_after(c, kMarkCombineSeenNs), ns(c, kMarkCombinePolls), ns_after(c, kMarkCombineSummedNs),
            ns_after(c, kMarkExitNs), chunks_of(c), i % 2 == 1 ? "\n" : " |");
   }
+  /* the combine's start on MMA warp 0 (clock64): tiles done -> its first poll's loads issued (the item's
+   * code, its lookups) -> back */
+  std::vector<double> to_issue, to_back;
+  for (int c = 0; c < grid; ++c) {
+    const unsigned long long done = ns(c, kMarkTilesDone), issued = ns(c, kMarkCombineIssued);
+    const unsigned long long back = ns(c, kMarkCombineBack);
+    if (!done || !issued || !back) continue;
+    to_issue.push_back((double)(long long)(issued - done));
+    to_back.push_back((double)(long long)(back - issued));
+  }
+  quartiles(to_issue, "the combine: tiles done -> first poll issued (cycles)");
+  quartiles(to_back, "the combine: first poll issued -> back (cycles)");
   /* which CTAs leave their tiles first: by the CTA's FC1 and FC2 tiles, when their tiles were done */
   printf("tiles done (us after the first wait) by the CTA's FC1 / FC2 tiles: CTAs, first CTA, min / median / max\n");
   std::map<std::pair<int, int>, std::vector<std::pair<double, int>>> by_tiles;

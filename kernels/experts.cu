@@ -235,6 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
       KX_MARK(fc1 ? kMarkFc1Done : kMarkExit);
     }
     KX_MARK_NS(kMarkTilesDoneNs);
+    KX_MARK(kMarkTilesDone);
     if (p.route_weights) {
       if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true>(p, r, call);
       else if (rows_as_words(p)) combine_by_words<false>(p, r, call);

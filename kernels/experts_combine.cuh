@@ -37,6 +37,7 @@ __device__ __forceinline__ void poll_row_words(const Params &p, const uint32_t (
                                                unsigned long long call, uint32_t (&v)[kSlots]) {
   int polls = 0; /* marks builds */
   while (__any_sync(0xFFFFFFFFu, pending != 0)) {
+    if (polls == 0) KX_MARK(kMarkCombineIssued);
     unsigned long long word[kSlots];
 #pragma unroll
     for (int i = 0; i < kSlots; ++i)
@@ -47,7 +48,10 @@ __device__ __forceinline__ void poll_row_words(const Params &p, const uint32_t (
         v[i] = (uint32_t)word[i];
         pending &= ~(1u << i);
       }
-    if (polls++ == 0 && pending != ~0u) KX_MARK_NS(kMarkCombinePolledNs); /* after the loads: pending is theirs */
+    if (polls++ == 0 && pending != ~0u) { /* after the loads: pending is theirs */
+      KX_MARK_NS(kMarkCombinePolledNs);
+      KX_MARK(kMarkCombineBack);
+    }
   }
   KX_MARK_NS(kMarkCombineSeenNs);
   KX_MARK_VALUE(kMarkCombinePolls, polls);

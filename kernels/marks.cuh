@@ -55,8 +55,12 @@ enum MarkSlot {
   kMarkCombineSeenNs, /* ... and it has them all tagged, after kMarkCombinePolls polls (a count) */
   kMarkCombinePolls,
   kMarkCombineSummedNs, /* ... and has summed them, before its stores */
-  kMarkSlots = 34,
+  kMarkTilesDone,      /* clock64 at kMarkTilesDoneNs; then MMA warp 0's first combine item: */
+  kMarkCombineIssued,  /* ... its first poll's loads about to issue (the item's code and lookups behind it) */
+  kMarkCombineBack,    /* ... and back (clock64 at kMarkCombinePolledNs) */
+  kMarkSlots = 37,
 };
+static_assert(kMarkCombineBack + 1 == kMarkSlots, "every slot has its word");
 
 constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */
 
