@@ -398,10 +398,10 @@ int main(int argc, char **argv) {
    * code, its lookups) -> back */
   std::vector<double> to_issue, to_back;
   for (int c = 0; c < grid; ++c) {
-    const unsigned long long done = ns(c, kMarkTilesDone), issued = ns(c, kMarkCombineIssued);
+    const unsigned long long tiles_done = ns(c, kMarkTilesDone), issued = ns(c, kMarkCombineIssued);
     const unsigned long long back = ns(c, kMarkCombineBack);
-    if (!done || !issued || !back) continue;
-    to_issue.push_back((double)(long long)(issued - done));
+    if (!tiles_done || !issued || !back) continue;
+    to_issue.push_back((double)(long long)(issued - tiles_done));
     to_back.push_back((double)(long long)(back - issued));
   }
   quartiles(to_issue, "the combine: tiles done -> first poll issued (cycles)");
@@ -414,12 +414,12 @@ int main(int argc, char **argv) {
     for (int index : tiles_of[c]) n1 += index < fc1_tiles;
     by_tiles[{n1, (int)tiles_of[c].size() - n1}].push_back({ns_after(c, kMarkTilesDoneNs), c});
   }
-  for (auto &[tiles, done] : by_tiles) {
-    std::sort(done.begin(), done.end());
+  for (auto &[tiles, ends] : by_tiles) {
+    std::sort(ends.begin(), ends.end());
     int first = grid;
-    for (auto &d : done) first = std::min(first, d.second);
-    printf("  %d / %d: %3zu CTAs from %3d, %6.2f / %6.2f / %6.2f\n", tiles.first, tiles.second, done.size(), first,
-           done.front().first, done[done.size() / 2].first, done.back().first);
+    for (auto &e : ends) first = std::min(first, e.second);
+    printf("  %d / %d: %3zu CTAs from %3d, %6.2f / %6.2f / %6.2f\n", tiles.first, tiles.second, ends.size(), first,
+           ends.front().first, ends[ends.size() / 2].first, ends.back().first);
   }
   for (Dev *d : packed) delete d;
   return 0;
