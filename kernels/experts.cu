@@ -228,6 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     ConsumerRing<R::kEpilogueWarps> ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                                          reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
     /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
+    if (p.route_weights) {
+      if (fc2_rows_by_mma_warps(p, kLocalX)) plan_word_item<true>(p, r, smem);
+      else if (rows_as_words(p)) plan_word_item<false>(p, r, smem);
+    }
     int index = blockIdx.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */
@@ -237,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     KX_MARK_NS(kMarkTilesDoneNs);
     KX_MARK(kMarkTilesDone);
     if (p.route_weights) {
-      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true>(p, r, call);
-      else if (rows_as_words(p)) combine_by_words<false>(p, r, call);
+      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true>(p, r, smem, call);
+      else if (rows_as_words(p)) combine_by_words<false>(p, r, smem, call);
       else combine_by_counts(p, r);
     }
     KX_MARK_NS(kMarkExitNs);
