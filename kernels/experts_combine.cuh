@@ -241,9 +241,16 @@ __device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem)
   __syncwarp();
 }
 
-/* The warp's planned item, then (launches of more items than the grid has MMA warps) its others. */
-template <bool kFragmentOrder>
+/* The warp's items: kPlanned (plan_word_item ran before the tiles) its planned one, then (launches of
+ * more items than the grid has MMA warps) its others; else all looked up here. */
+template <bool kFragmentOrder, bool kPlanned>
 __device__ void combine_by_words(const Params &p, const Routing &r, uint8_t *smem, unsigned long long call) {
+  if constexpr (!kPlanned) {
+    combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords, [&](int t, int piece) {
+      combine_word_piece<kFragmentOrder>(p, r, t, piece, call, nullptr);
+    });
+    return;
+  }
   const int warp = (int)(threadIdx.x >> 5), pieces = p.shape.hidden / (2 * kWordPieceWords);
   const int planned = reinterpret_cast<const int *>(smem + p.smem.item_of_warp)[warp];
   if (planned >= 0) {
