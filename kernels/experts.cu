@@ -228,6 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     ConsumerRing<R::kEpilogueWarps> ring{smem_addr(smem + L.ring), reinterpret_cast<uint64_t *>(smem + L.full),
                                          reinterpret_cast<uint64_t *>(smem + L.empty), RingPos{}, RingPos{}};
     /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
+    /* launches of 2-16 tokens plan their combine items here; one-token launches' MMA warps have no time to
+     * spare before their first stage (+2.9 / +3.4 % at k3-tp8 / TP16 B = 1 planned, session 50) */
+    if (!kLocalX && p.route_weights && rows_as_words(p)) plan_word_item<false>(p, r, smem);
     int index = blockIdx.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */
@@ -237,8 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     KX_MARK_NS(kMarkTilesDoneNs);
     KX_MARK(kMarkTilesDone);
     if (p.route_weights) {
-      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true>(p, r, call);
-      else if (rows_as_words(p)) combine_by_words<false>(p, r, call);
+      if (fc2_rows_by_mma_warps(p, kLocalX)) combine_by_words<true, false>(p, r, smem, call);
+      else if (rows_as_words(p)) combine_by_words<false, !kLocalX>(p, r, smem, call);
       else combine_by_counts(p, r);
     }
     KX_MARK_NS(kMarkExitNs);

@@ -30,6 +30,22 @@ __device__ __forceinline__ SlotOfLane slot_of_lane(const Params &p, const Routin
   return s;
 }
 
+/* Lane j < K's slot's hidden row alone (0 past K or for a bad id). */
+__device__ __forceinline__ int slot_of_lane_row(const Params &p, const Routing &r, int t) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  if (lane >= K) return 0;
+  const int e = r.pair_expert[t * K + lane];
+  return e >= 0 ? hidden_row(r, r.expert_slot[e], t) : 0;
+}
+
+/* The same, its row from shared memory where plan_word_item left it (rows: this warp's 32). */
+__device__ __forceinline__ SlotOfLane planned_slot_of_lane(const Params &p, const Routing &r, int t, const int *rows) {
+  const int lane = threadIdx.x & 31, K = p.shape.top_k;
+  SlotOfLane s{rows[lane], 0.0f};
+  if (lane < K && r.pair_expert[t * K + lane] >= 0) s.weight = __ldg(&p.route_weights[t * p.rw_ld + lane]);
+  return s;
+}
+
 /* Polls the row words at[i] of the slots whose bit is set in pending, every pending load in flight
  * at once, until each carries the call's tag; their data to v[i]. */
 template <int kSlots>
@@ -134,13 +150,13 @@ __device__ __forceinline__ int one_token_cta_rank(const Params &p, int cta, int 
  * timing probes put them at 7-19 % of k3-tp8 / TP16 B = 64 (session 48). */
 template <bool kOneToken, class CombinePiece>
 __device__ __forceinline__ void combine_items(const Params &p, const Routing &r, int piece_cols,
-                                              CombinePiece combine_piece_of) {
+                                              CombinePiece combine_piece_of, int skip = 0) {
   const int pieces = p.shape.hidden / piece_cols, items = p.tokens * pieces, warp = (int)(threadIdx.x >> 5);
   unsigned cta; /* read here: hoisted to the kernel's start, blockIdx.x + grid * warp spilled in the one-token kernel */
   asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
   const int first = kOneToken ? one_token_cta_rank(p, (int)cta, r.totals[1]) * kConsumerWarps + warp
                               : (int)cta + gridDim.x * warp;
-  for (int i = first; i < items; i += gridDim.x * kConsumerWarps) {
+  for (int i = first + skip * (int)gridDim.x * kConsumerWarps; i < items; i += gridDim.x * kConsumerWarps) {
     const int t = i / pieces;
     if (r.token_experts[t] != 0) combine_piece_of(t, i - t * pieces); /* else write_nan_rows' */
   }
@@ -161,11 +177,13 @@ __device__ void combine_by_counts(const Params &p, const Routing &r) {
 constexpr int kWordPieceWords = 16;
 
 template <bool kFragmentOrder>
-__device__ void combine_word_piece(const Params &p, const Routing &r, int t, int piece, unsigned long long call) {
+__device__ void combine_word_piece(const Params &p, const Routing &r, int t, int piece, unsigned long long call,
+                                   const int *planned_rows) {
   constexpr int kSlotsPerLane = 8;
   const int lane = threadIdx.x & 31, w = lane % kWordPieceWords, half = lane / kWordPieceWords;
   const int K = p.shape.top_k, words_per_row = p.shape.hidden / 2;
-  const SlotOfLane slot = slot_of_lane(p, r, t); /* lane j < K: slot j's */
+  const SlotOfLane slot = planned_rows ? planned_slot_of_lane(p, r, t, planned_rows)
+                                       : slot_of_lane(p, r, t); /* lane j < K: slot j's */
   const bool nan_row = r.token_bad[t] != 0; /* a bad id in any slot: nothing to wait for */
   float lo = 0.0f, hi = 0.0f;
   for (int j0 = 0; j0 < K && !nan_row; j0 += 2 * kSlotsPerLane) {
@@ -205,10 +223,45 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
   }
 }
 
-template <bool kFragmentOrder>
-__device__ void combine_by_words(const Params &p, const Routing &r, unsigned long long call) {
-  combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords,
-                [&](int t, int piece) { combine_word_piece<kFragmentOrder>(p, r, t, piece, call); });
+/* Before the tiles, once the routing tables are in: this MMA warp's first combine item of a word
+ * launch (combine_items' deal) and its slots' rows, to shared memory (-1: no item), so that after the
+ * tiles the item's first poll waits for one shared load: its lookups there (a division, ~6 dependent
+ * shared loads, one token's rank) took 1050-1950 cycles between the warp's last tile and that poll
+ * (marks, session 50). */
+template <bool kOneToken>
+__device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem) {
+  const int pieces = p.shape.hidden / (2 * kWordPieceWords), items = p.tokens * pieces;
+  const int warp = (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int i = kOneToken ? one_token_cta_rank(p, blockIdx.x, r.totals[1]) * kConsumerWarps + warp
+                          : (int)blockIdx.x + gridDim.x * warp;
+  const int t = i / pieces;
+  const bool mine = i < items && r.token_experts[t] != 0; /* else write_nan_rows' */
+  if (mine) reinterpret_cast<int *>(smem + p.smem.item_rows)[warp * 32 + lane] = slot_of_lane_row(p, r, t);
+  if (lane == 0) reinterpret_cast<int *>(smem + p.smem.item_of_warp)[warp] = mine ? i : -1;
+  __syncwarp();
+}
+
+/* The warp's items: kPlanned (plan_word_item ran before the tiles) its planned one, then (launches of
+ * more items than the grid has MMA warps) its others; else all looked up here. */
+template <bool kFragmentOrder, bool kPlanned>
+__device__ void combine_by_words(const Params &p, const Routing &r, uint8_t *smem, unsigned long long call) {
+  if constexpr (!kPlanned) {
+    combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords, [&](int t, int piece) {
+      combine_word_piece<kFragmentOrder>(p, r, t, piece, call, nullptr);
+    });
+    return;
+  }
+  const int warp = (int)(threadIdx.x >> 5), pieces = p.shape.hidden / (2 * kWordPieceWords);
+  const int planned = reinterpret_cast<const int *>(smem + p.smem.item_of_warp)[warp];
+  if (planned >= 0) {
+    const int t = planned / pieces;
+    combine_word_piece<kFragmentOrder>(p, r, t, planned - t * pieces, call,
+                                       reinterpret_cast<const int *>(smem + p.smem.item_rows) + warp * 32);
+  }
+  if (p.tokens * pieces <= (int)gridDim.x * kConsumerWarps) return; /* one item a warp at most: planned */
+  combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords, [&](int t, int piece) {
+    combine_word_piece<kFragmentOrder>(p, r, t, piece, call, nullptr);
+  }, 1);
 }
 
 }  // namespace

@@ -183,14 +183,13 @@ __device__ __forceinline__ void store_token_rows(const Params &p, int tile, uint
   const int lane = threadIdx.x & 31, K = p.shape.top_k, strip = tile * kConsumerWarps + (int)(threadIdx.x >> 5);
   if (lane & 3) return;
   const int col = strip * kStripRows + (lane >> 2);
-  const float mult = row_multiplier(0);
-  const __nv_bfloat16 lo = __float2bfloat16_rn((0.0f + acc[0]) * mult);
-  const __nv_bfloat16 hi = __float2bfloat16_rn((0.0f + acc[2]) * mult);
+  const float mult = row_multiplier(0), row_g = (0.0f + acc[0]) * mult, row_g8 = (0.0f + acc[2]) * mult;
   if (p.route_weights) {
-    const uint32_t bits = (uint32_t)__bfloat16_as_ushort(lo) | (uint32_t)__bfloat16_as_ushort(hi) << 16;
-    store_relaxed(p.row_words + (int64_t)where * (p.shape.hidden / 2) + strip * 8 + (lane >> 2), row_word(call, bits));
+    store_relaxed(p.row_words + (int64_t)where * (p.shape.hidden / 2) + strip * 8 + (lane >> 2),
+                  row_word(call, bf16x2_bits(row_g, row_g8)));
     return;
   }
+  const __nv_bfloat16 lo = __float2bfloat16_rn(row_g), hi = __float2bfloat16_rn(row_g8);
   for (uint32_t m = where; m != 0; m &= m - 1) {
     __nv_bfloat16 *row = p.out + ((int64_t)p.tok0 * K + (__ffs(m) - 1)) * p.out_ld + col;
     row[0] = lo;

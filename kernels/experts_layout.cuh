@@ -207,6 +207,7 @@ struct SmemLayout {
   int ring, full, empty, parked, freed, reduce, call, released, act_rows, x_amax;
   int pair_expert, expert_slot, token_mask, expert_id, expert_scan;
   int unit_expert, unit_group, token_experts, token_bad, chunk_mask, scan_tmp, totals, unit_pairs;
+  int item_rows, item_of_warp; /* the MMA warps' first combine items of a word launch (plan_word_item) */
   int x_local_mult, x_local, x_local_rows; /* local x: room for launches of up to x_local_rows tokens */
   int bytes;
 };
@@ -247,6 +248,8 @@ KX_HOST_DEVICE SmemLayout smem_layout(int experts, int pairs, int hidden) {
   L.expert_id = take(2 * pairs, 2);
   L.unit_expert = take(2 * max_units_for(pairs), 2);
   L.unit_group = take(max_units_for(pairs), 1);
+  L.item_rows = take(4 * kConsumerThreads, 4);
+  L.item_of_warp = take(4 * kConsumerWarps, 4);
   /* local x takes what the budget has left (the L1 carve-out is 228 KB either way) */
   L.x_local_mult = take(4 * kLocalXMaxTokens, 4);
   const int x_at = (int)align128(at);

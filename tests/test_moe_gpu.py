@@ -166,11 +166,12 @@ BIG_ROWS = dict(name="h24576-i32-e3-k16", H=24576, I=32, E=3, top_k=16, hidden_s
 
 def test_combine_paths_at_wide_rows(kx):
     """The three combines at H = 24576: the MMA warps' row words at B = 1 (combine_by_words<true>),
-    the epilogue warps' row words at B = 2 (combine_by_words) and y with its arrival counters at
-    B = 64 (combine_by_counts): the reference's output and the slot-order sum of the layer's own
-    rows."""
+    the epilogue warps' row words at B = 2 and 5 (combine_by_words; at B = 5 the launch has more
+    items than the grid has MMA warps, so some warps take a second after their planned one) and y
+    with its arrival counters at B = 64 (combine_by_counts): the reference's output and the
+    slot-order sum of the layer's own rows."""
     layer = _small_layer(kx, BIG_ROWS)
-    for B in (1, 2, 64):
+    for B in (1, 2, 5, 64):
         seed = seed_of("big-rows", B)
         x, ids, rw = _inputs(layer, B, seed)
         what = f"{layer.describe()} B={B} seed={seed}"
