@@ -8,8 +8,10 @@ Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 
 - us: one layer call (PersistentExperts.run, per-slot rows; with --combine the fused combine
   z = sum_j w[:, j] rows[:, j], its own record experts-combined-h200.json), timed as a CUDA graph of
   --layers calls over --layers distinct weight sets sharing one scratch (so L2 cannot
-  serve the weights), replayed --replays times: median / layers. That times a fresh card
-  (10 + 60 replays last tens of ms, before the board's power cap acts at B >= 8).
+  serve the weights), replayed --replays times: median / layers. That times a card as fresh
+  as a run allows (10 + 60 replays last tens of ms), yet at B >= 8 the kernel draws more than
+  the board's 700 W cap, which can act within those replays (nvidia-smi: the SW power cap and
+  1.7-1.97 GHz during the record), so the larger B move by a few % with the board's state.
   Studies, never the record: --rounds R captures the calls R times into each graph (median /
   (layers R)), so that the replay's own start, which no kernel before it can overlap, weighs
   as little as in a model's decode graph of many layers; --warmup-ms T replays each graph for
