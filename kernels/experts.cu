@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) experts_kernel(const __grid_const
     /* FC2's tiles start where FC1's stopped (no division, nothing held across FC1's loop) */
     /* launches of 2-16 tokens plan their combine items here; one-token launches' MMA warps have no time to
      * spare before their first stage (+2.9 / +3.4 % at k3-tp8 / TP16 B = 1 planned, session 50) */
-    if (!kLocalX && p.route_weights && rows_as_words(p)) plan_word_item<false>(p, r, smem);
+    if (!kLocalX && p.route_weights && rows_as_words(p)) plan_word_item(p, r, smem);
     int index = blockIdx.x;
 #pragma unroll 1
     for (int fc1 = 1; fc1 >= 0; --fc1) { /* one call site: the phase code is inlined once */

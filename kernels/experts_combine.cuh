@@ -228,12 +228,10 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
  * tiles the item's first poll waits for one shared load: its lookups there (a division, ~6 dependent
  * shared loads, one token's rank) took 1050-1950 cycles between the warp's last tile and that poll
  * (marks, session 50). */
-template <bool kOneToken>
 __device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem) {
   const int pieces = p.shape.hidden / (2 * kWordPieceWords), items = p.tokens * pieces;
   const int warp = (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
-  const int i = kOneToken ? one_token_cta_rank(p, blockIdx.x, r.totals[1]) * kConsumerWarps + warp
-                          : (int)blockIdx.x + gridDim.x * warp;
+  const int i = (int)blockIdx.x + gridDim.x * warp; /* launches of several tokens: combine_items' plain deal */
   const int t = i / pieces;
   const bool mine = i < items && r.token_experts[t] != 0; /* else write_nan_rows' */
   if (mine) reinterpret_cast<int *>(smem + p.smem.item_rows)[warp * 32 + lane] = slot_of_lane_row(p, r, t);
