@@ -226,8 +226,7 @@ __device__ void combine_word_piece(const Params &p, const Routing &r, int t, int
 /* Before the tiles, once the routing tables are in: this MMA warp's first combine item of a word
  * launch (combine_items' deal) and its slots' rows, to shared memory (-1: no item), so that after the
  * tiles the item's first poll waits for one shared load: its lookups there (a division, ~6 dependent
- * shared loads) took 1050-1500 cycles between the warp's last tile and that poll (marks, session 50).
- * One-token launches do not plan: their MMA warps have no time to spare before the first stage. */
+ * shared loads) took 1050-1500 cycles between the warp's last tile and that poll (marks, session 50). */
 __device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem) {
   const int pieces = p.shape.hidden / (2 * kWordPieceWords), items = p.tokens * pieces;
   const int warp = (int)(threadIdx.x >> 5), lane = threadIdx.x & 31;
