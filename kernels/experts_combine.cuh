@@ -242,23 +242,19 @@ __device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem)
  * more items than the grid has MMA warps) its others; else all looked up here. */
 template <bool kFragmentOrder, bool kPlanned>
 __device__ void combine_by_words(const Params &p, const Routing &r, uint8_t *smem, unsigned long long call) {
-  if constexpr (!kPlanned) {
-    combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords, [&](int t, int piece) {
-      combine_word_piece<kFragmentOrder>(p, r, t, piece, call, nullptr);
-    });
-    return;
+  if constexpr (kPlanned) {
+    const int warp = (int)(threadIdx.x >> 5), pieces = p.shape.hidden / (2 * kWordPieceWords);
+    const int planned = reinterpret_cast<const int *>(smem + p.smem.item_of_warp)[warp];
+    if (planned >= 0) {
+      const int t = planned / pieces;
+      combine_word_piece<kFragmentOrder>(p, r, t, planned - t * pieces, call,
+                                         reinterpret_cast<const int *>(smem + p.smem.item_rows) + warp * 32);
+    }
+    if (p.tokens * pieces <= (int)gridDim.x * kConsumerWarps) return; /* one item a warp at most: planned */
   }
-  const int warp = (int)(threadIdx.x >> 5), pieces = p.shape.hidden / (2 * kWordPieceWords);
-  const int planned = reinterpret_cast<const int *>(smem + p.smem.item_of_warp)[warp];
-  if (planned >= 0) {
-    const int t = planned / pieces;
-    combine_word_piece<kFragmentOrder>(p, r, t, planned - t * pieces, call,
-                                       reinterpret_cast<const int *>(smem + p.smem.item_rows) + warp * 32);
-  }
-  if (p.tokens * pieces <= (int)gridDim.x * kConsumerWarps) return; /* one item a warp at most: planned */
   combine_items<kFragmentOrder>(p, r, 2 * kWordPieceWords, [&](int t, int piece) {
     combine_word_piece<kFragmentOrder>(p, r, t, piece, call, nullptr);
-  }, 1);
+  }, kPlanned ? 1 : 0); /* the planned item is each warp's first */
 }
 
 }  // namespace
