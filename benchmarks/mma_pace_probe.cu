@@ -26,14 +26,31 @@
  *   wide, k-major   wide from L2, warp w taking k-block w of all 4 strips (one x fragment a chunk)
  *   wide, no x copy wide from L2 with the stages' x rows left as they are (no activation warp)
  *   wide, 2 columns wide from L2 summing MMA columns 0 and 2 only, as a one-token launch does
+ *   wgmma           main's units through wgmma (session 52): each warpgroup (4 strips of one k-slot) issues
+ *                   a unit's two MMAs as two m64n8k16 with A its warps' decoded fragments from registers and
+ *                   B x's 8 rows from shared memory (one commit and wait a chunk); its sums are checked
+ *                   against main's
+ *   wgmma from HBM  the same fed through the ring as "copies from HBM"
+ *   stream only     the ring of "copies from HBM" with MMA warps that only wait for each stage and release it
+ *   stream, 1 warp  the same with one MMA warp waiting and releasing, the other 15 gone
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
- * row 0 (a one-token launch's broadcast).
+ * row 0 (a one-token launch's broadcast; wgmma reads 8 rows in both).
+ * With --sustain S, a second table: each of a few variants (--only: those of these indices in Variant)
+ * launched back to back for S seconds, then S seconds more timed against the board's energy counter
+ * (NVML, dlopen'ed), three passes: its power, energy a chunk and chunks a us, what the power cap
+ * makes of them.
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels \
- *        benchmarks/mma_pace_probe.cu kernels/pack.cu kernels/quantize.cu kernels/probe.cu -o /tmp/pace
+ *        benchmarks/mma_pace_probe.cu kernels/pack.cu kernels/quantize.cu kernels/probe.cu -o /tmp/pace -ldl
+ *   /tmp/pace [--sustain 1.0 [--only 16,17]] [--constant]   (--constant: the copies' source all 0x35)
  */
 #include "../kernels/experts.cu"
 
+#include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <utility>
 #include <vector>
@@ -45,12 +62,12 @@ namespace {
 
 enum Variant {
   kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
-  kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kVariants
+  kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kWgmma, kWgmmaHbm, kStreamOnly, kStreamOneWarp, kVariants
 };
 const char *const kVariantNames[kVariants] = {
     "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
     "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
-    "wide, no x copy", "wide, 2 columns"};
+    "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
@@ -117,16 +134,92 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
   }
 }
 
+/* ---- wgmma with A from registers (m64n8k16) ------------------------------------------- */
+/* x's 8 rows as wgmma's B: for each (stage, k-block, half h of mma_f16's two MMAs), two 8 x 8 f16 core
+ * matrices 128 bytes apart (k-major, no swizzle), logical k 0-7 then 8-15, each mapped to the physical k of
+ * the row that mma_f16's lanes hold there (lane t: 8 t + e, 8 t + 2 + e, + 4 in the high MMA), so that the
+ * decoded A fragments meet the same activations as in consume_units. */
+constexpr int kWgmmaHalfBytes = 256, kWgmmaChunkBytes = kFc1ChunkKb * 2 * kWgmmaHalfBytes;
+
+__device__ void build_wgmma_x(const uint8_t *x_rows, uint8_t *xc) {
+  constexpr int kValues = kStages * kWgmmaChunkBytes / 2;
+  for (int i = threadIdx.x; i < kValues; i += blockDim.x) {
+    const int k = i & 15, row = (i >> 4) & 7, half = (i >> 7) & 1, block = i >> 8; /* block: stage * 16 + k-block */
+    const int phys = 8 * ((k & 7) >> 1) + 2 * (k >> 3) + (k & 1) + 4 * half;
+    const uint16_t v = *reinterpret_cast<const uint16_t *>(x_rows + row * local_x_pitch(kProbeHidden) +
+                                                          block * kActBlockBytes + 2 * phys);
+    *reinterpret_cast<uint16_t *>(xc + (block * 2 + half) * kWgmmaHalfBytes + (k >> 3) * 128 + row * 16 +
+                                  (k & 7) * 2) = v;
+  }
+}
+
+/* The descriptor of one half's B at addr: leading byte offset 128 (k), stride 256 (unused at n8). */
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)(128 >> 4) << 16 | (uint64_t)(256 >> 4) << 32;
+}
+
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_rs_f16(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"((int)kAccumulate));
+}
+
+/* Warp w's 4 units as consume_units lays them out, through its warpgroup (k-slot w / 4, strips w % 4): each
+ * unit's two MMAs as two wgmmas, one commit and wait a chunk, the stage released after the wait. */
+__device__ __forceinline__ void wgmma_chunk(uint32_t stage, uint32_t xc, const UnitOffsets &o, uint64_t *empty,
+                                            float (&acc)[4]) {
+  const int k_slot = threadIdx.x >> 7;
+  uint2 w[4];
+  uint32_t sw[4], a[4][2][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w[j] = lds64(stage + o.weights + j * 4 * kUnitWeightBytes);
+    sw[j] = lds16(stage + o.scales + j * 4 * kUnitScaleBytes);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    decode_fp4x8(w[j].x, a[j][0]);
+    decode_fp4x8(w[j].y, a[j][1]);
+  }
+  float d[4][4] = {};
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t b = xc + (k_slot + 4 * j) * 2 * kWgmmaHalfBytes;
+    wgmma_rs_f16<false>(d[j], a[j][0], kmajor_desc(b));
+    wgmma_rs_f16<true>(d[j], a[j][1], kmajor_desc(b + kWgmmaHalfBytes));
+  }
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory"); /* the sums read after the wait */
+  mbar_arrive(empty);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    acc[0] = fmaf(d[j][0], sw_g, acc[0]);
+    acc[1] = fmaf(d[j][1], sw_g, acc[1]);
+    acc[2] = fmaf(d[j][2], sw_g8, acc[2]);
+    acc[3] = fmaf(d[j][3], sw_g8, acc[3]);
+  }
+}
+
 template <int kVariant, bool kBroadcastX>
 __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source, unsigned long long *cycles,
                                                            float *sink) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  constexpr bool kHalf = kVariant == kHalfWarps;
+  constexpr bool kHalf = kVariant == kHalfWarps, kStream = kVariant == kStreamOnly || kVariant == kStreamOneWarp;
+  constexpr int kMmaWarps = kVariant == kStreamOneWarp ? 1 : kHalf ? kConsumerWarps / 2 : kConsumerWarps;
   constexpr bool kWide = kVariant == kWideHbm || kVariant == kWideL2 || kVariant == kWideScales ||
                          kVariant == kWideKMajor || kVariant == kWideNoX || kVariant == kWideTwoCols;
   constexpr bool kXCopies = kWide && kVariant != kWideNoX;
-  constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kWide;
+  constexpr bool kWgmmaAny = kVariant == kWgmma || kVariant == kWgmmaHbm;
+  constexpr bool kCopies =
+      kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kWgmmaHbm || kStream || kWide;
   constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && kVariant != kWideHbm);
   /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
   uint32_t *words = reinterpret_cast<uint32_t *>(smem);
@@ -140,12 +233,18 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   constexpr int kFullArrivals = kXCopies ? 2 : 1;
   __shared__ uint64_t empty[kStages], full[kStages];
   if (threadIdx.x < kStages) {
-    mbar_init(&empty[threadIdx.x], kConsumerThreads);
+    mbar_init(&empty[threadIdx.x], kMmaWarps * 32);
     /* main + waits: never arrived, so a wait on parity 1 passes at once; wide: the activation warp arrives too */
     mbar_init(&full[threadIdx.x], kFullArrivals);
   }
   fence_barrier_init();
   __syncthreads();
+  uint8_t *const x_rows = smem + kStages * kStageBytes;
+  uint8_t *const xc = x_rows + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 128;
+  if (kWgmmaAny) {
+    build_wgmma_x(x_rows, xc);
+    __syncthreads();
+  }
   constexpr int kActBytes = kFc1ChunkKb * kActBlockBytes; /* a token row of one chunk */
   if (kXCopies && warp == kActivationWarp) { /* the activation producer: a stage's 8 token rows */
     RingPos pos;
@@ -172,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     }
     return;
   }
-  if (warp >= (kHalf ? kConsumerWarps / 2 : kConsumerWarps)) return;
+  if (warp >= kMmaWarps) return;
   const uint32_t stages = smem_addr(smem), x_local = stages + kStages * kStageBytes;
   const uint32_t released = x_local + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread; /* consume_units' */
   const int x_row = kBroadcastX ? 0 : lane >> 2;
@@ -194,12 +293,18 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
     if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
     if constexpr (kCopies) mbar_wait(&full[s], (c / kStages) & 1);
+    if constexpr (kStream) {
+      mbar_arrive(&empty[s]);
+      continue;
+    }
     if constexpr (kVariant == kWideScales || kVariant == kWideKMajor)
       probe_chunk<kMain, kVariant == kWideKMajor, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
     else if constexpr (kWide)
       consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
       consume_units<4, 4, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
+    else if constexpr (kWgmmaAny)
+      wgmma_chunk(stage, smem_addr(xc) + s * kWgmmaChunkBytes, o, &empty[s], acc[0]);
     else if constexpr (kHalf)
       consume_units<8, 2, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
     else
@@ -212,8 +317,10 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     cycles[2 * (blockIdx.x * kConsumerWarps + warp) + 1] = ns1 - ns0;
   }
   float total = 0.0f;
-  for (int j = 0; j < 4; ++j) total += acc[j][0] + acc[j][2];
-  if (total == 1.2345f) sink[threadIdx.x] = total; /* keeps the sums live */
+  for (int j = 1; j < 4; ++j) total += acc[j][0] + acc[j][2];
+  /* MMA column 0's sums (every variant that keeps them in acc[0]: main and wgmma compare), the rest live */
+  sink[2 * (blockIdx.x * kConsumerThreads + threadIdx.x)] = acc[0][0] + total;
+  sink[2 * (blockIdx.x * kConsumerThreads + threadIdx.x) + 1] = acc[0][2];
 }
 
 struct Pace {
@@ -244,6 +351,114 @@ Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long
   return Pace{median(per_chunk), median(ghz)};
 }
 
+/* NVML through dlopen (the driver's library, no link-time dependency): the board's energy counter,
+ * SM clock and clock event reasons, for the sustained table. */
+struct Nvml {
+  void *dev = nullptr;
+  int (*energy_mj)(void *, unsigned long long *) = nullptr;
+  int (*clock_mhz)(void *, int, unsigned *) = nullptr;
+  int (*event_reasons)(void *, unsigned long long *) = nullptr;
+
+  bool open() {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!lib) return false;
+    auto init = (int (*)())dlsym(lib, "nvmlInit_v2");
+    auto by_bus = (int (*)(const char *, void **))dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2");
+    energy_mj = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption");
+    clock_mhz = (int (*)(void *, int, unsigned *))dlsym(lib, "nvmlDeviceGetClockInfo");
+    event_reasons = (int (*)(void *, unsigned long long *))dlsym(lib, "nvmlDeviceGetCurrentClocksThrottleReasons");
+    char bus[32];
+    CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, 0));
+    return init && by_bus && energy_mj && clock_mhz && event_reasons && init() == 0 && by_bus(bus, &dev) == 0;
+  }
+  unsigned long long energy() const {
+    unsigned long long mj = 0;
+    energy_mj(dev, &mj);
+    return mj;
+  }
+};
+constexpr int kNvmlClockSm = 1;
+constexpr unsigned long long kSwPowerCap = 0x4, kHwSlowdown = 0x8;
+
+static double seconds_now() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+struct Sustained {
+  Pace pace;              /* the last launch's */
+  double watts, uj_chunk; /* the board's mean power over the timed part, and its energy per chunk (all SMs') */
+  double chunks_us, mhz;  /* chunks a us over the grid; NVML's SM clock, median of the samples */
+  int capped, samples;    /* samples with the SW power cap or a HW slowdown among the clock event reasons */
+};
+
+/* kVariant launched back to back for `seconds` (the board settles), then for `seconds` more timed
+ * against the board's energy counter. */
+template <int kVariant>
+Sustained sustain(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
+                  const Nvml &nvml, double seconds) {
+  const auto kernel = pace_kernel<kVariant, false>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
+  constexpr int kBatch = 16;
+  auto batch = [&] {
+    for (int i = 0; i < kBatch; ++i) kernel<<<grid, kThreads, smem_bytes>>>(source, d_cycles, d_sink);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+  };
+  for (const double start = seconds_now(); seconds_now() - start < seconds;) batch();
+  Sustained r{};
+  std::vector<double> mhz;
+  long launches = 0;
+  const unsigned long long e0 = nvml.energy();
+  const double t0 = seconds_now();
+  while (seconds_now() - t0 < seconds) {
+    batch();
+    launches += kBatch;
+    unsigned clock = 0;
+    unsigned long long reasons = 0;
+    nvml.clock_mhz(nvml.dev, kNvmlClockSm, &clock);
+    nvml.event_reasons(nvml.dev, &reasons);
+    mhz.push_back(clock);
+    r.capped += (reasons & (kSwPowerCap | kHwSlowdown)) != 0;
+  }
+  const double elapsed = seconds_now() - t0, joules = 1e-3 * (double)(nvml.energy() - e0);
+  const double chunks = (double)launches * grid * kProbeChunks;
+  std::vector<unsigned long long> h(2 * (size_t)grid * kConsumerWarps);
+  CHECK(cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+  std::vector<double> per_chunk, ghz;
+  for (size_t i = 0; i < h.size(); i += 2)
+    if (h[i]) {
+      per_chunk.push_back((double)h[i] / kProbeChunks);
+      ghz.push_back((double)h[i] / (double)h[i + 1]);
+    }
+  r.pace = Pace{median(per_chunk), median(ghz)};
+  r.watts = joules / elapsed;
+  r.uj_chunk = 1e6 * joules / chunks;
+  r.chunks_us = chunks / (1e6 * elapsed);
+  r.mhz = median(mhz);
+  r.samples = (int)mhz.size();
+  return r;
+}
+
+/* MMA column 0's sums of wgmma against main's (x 8 rows), the largest relative difference. */
+static double wgmma_against_main(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles,
+                                 float *d_sink) {
+  const size_t n = 2 * (size_t)grid * kConsumerThreads;
+  std::vector<float> main_sums(n), wgmma_sums(n);
+  pace<kMain, false>(grid, smem_bytes, source, d_cycles, d_sink);
+  CHECK(cudaMemcpy(main_sums.data(), d_sink, n * sizeof(float), cudaMemcpyDeviceToHost));
+  pace<kWgmma, false>(grid, smem_bytes, source, d_cycles, d_sink);
+  CHECK(cudaMemcpy(wgmma_sums.data(), d_sink, n * sizeof(float), cudaMemcpyDeviceToHost));
+  double worst = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double a = main_sums[i], b = wgmma_sums[i], scale = std::max(std::fabs(a), 1e-30);
+    worst = std::max(worst, a == b ? 0.0 : std::fabs(a - b) / scale); /* NaN fails below */
+    if (a != a || b != b) return INFINITY;
+  }
+  return worst;
+}
+
 /* Every variant, in the order of Variant. */
 template <bool kBroadcastX, int... kVariant>
 void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
@@ -251,19 +466,89 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
   ((out[kVariant] = pace<kVariant, kBroadcastX>(grid, smem_bytes, source, d_cycles, d_sink)), ...);
 }
 
+/* The sustained table's variants: resident data, then fed from HBM. */
+template <int... kVariant>
+using Seq = std::integer_sequence<int, kVariant...>;
+using SustainedVariants = Seq<kMain, kKMajor, kOneMask, kNoMma, kWgmma, kWideL2, kWideKMajor, kWideNoX, kWideTwoCols,
+                              kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm>;
+
+template <int... kVariant>
+void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
+                     double seconds, const std::vector<int> &only, Seq<kVariant...>) {
+  Nvml nvml;
+  if (!nvml.open()) {
+    printf("sustained table: NVML not found, skipped\n");
+    return;
+  }
+  const unsigned long long e0 = nvml.energy();
+  const double t0 = seconds_now();
+  sleep(1);
+  const double idle_w = 1e-3 * (double)(nvml.energy() - e0) / (seconds_now() - t0);
+  printf("\nSustained (%.1f s a variant settling, %.1f s timed; three passes, the second in reverse order); the board "
+         "idle for 1 s before: %.0f W; dyn: the energy a chunk over that\n", seconds, seconds, idle_w);
+  printf("  %-16s %4s %9s %5s %6s %5s %8s %8s %9s %7s\n", "variant", "pass", "cyc/chunk", "GHz", "SM MHz", "W",
+         "uJ/chunk", "dyn uJ", "chunks/us", "capped");
+  constexpr int kCount = sizeof...(kVariant);
+  const int order[kCount] = {kVariant...};
+  for (int pass = 0; pass < 3; ++pass)
+    for (int i = 0; i < kCount; ++i) {
+      const int v = order[pass == 1 ? kCount - 1 - i : i];
+      if (!only.empty() && std::find(only.begin(), only.end(), v) == only.end()) continue;
+      Sustained r{};
+      ((v == kVariant ? (void)(r = sustain<kVariant>(grid, smem_bytes, source, d_cycles, d_sink, nvml, seconds))
+                      : (void)0),
+       ...);
+      printf("  %-16s %4d %9.1f %5.2f %6.0f %5.0f %8.3f %8.3f %9.1f %3d/%-3d\n", kVariantNames[v], pass + 1,
+             r.pace.cycles, r.pace.ghz, r.mhz, r.watts, r.uj_chunk, (r.watts - idle_w) / r.chunks_us, r.chunks_us,
+             r.capped, r.samples);
+      fflush(stdout);
+    }
+}
+
+/* n words of hashed bits under mask */
+__global__ void fill_hashed(uint32_t *words, size_t n, uint32_t mask) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    words[i] = (h ^ h >> 15) & mask;
+  }
+}
+
 }  // namespace
 }  // namespace kx
 
-int main() {
+int main(int argc, char **argv) {
   using namespace kx;
+  double sustain_s = 0.0;
+  std::vector<int> only; /* the sustained table's variants by their index in Variant; all when empty */
+  bool constant = false;
+  for (int i = 1; i < argc; ++i)
+    if (!strcmp(argv[i], "--sustain") && i + 1 < argc)
+      sustain_s = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+      for (char *tok = strtok(argv[++i], ","); tok; tok = strtok(nullptr, ",")) only.push_back(atoi(tok));
+    else if (!strcmp(argv[i], "--constant"))
+      constant = true;
+    else {
+      fprintf(stderr, "usage: %s [--sustain SECONDS [--only I,J,..]] [--constant]\n", argv[0]);
+      return 2;
+    }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 16;
-  Dev cycles(2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long)), sink(kThreads * sizeof(float));
-  /* the copies' source: 0x35 bytes are valid FP4 pairs (3 and 5) and scales (2^-74) */
+  const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 128 +
+                            kStages * kWgmmaChunkBytes;
+  Dev cycles(2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long)),
+      sink(2 * (size_t)sms * kConsumerThreads * sizeof(float));
+  /* the copies' source: hashed words whose FP4 codes are positive, scales at most 2^-8, f16 finite;
+   * --constant: every byte 0x35 (FP4 pairs 3 and 5, scales 2^-74), what toggles nothing */
   const size_t source_bytes = (size_t)sms * kOwnSourceChunks * kProbeChunkBytes;
   Dev source(source_bytes);
-  CHECK(cudaMemset(source.p, 0x35, source_bytes));
+  if (constant)
+    CHECK(cudaMemset(source.p, 0x35, source_bytes));
+  else
+    fill_hashed<<<sms * 4, 256>>>(source.as<uint32_t>(), source_bytes / 4, 0x77777777u);
+  CHECK(cudaGetLastError());
   const auto variants = std::make_integer_sequence<int, kVariants>();
   Pace rows[kVariants], broadcast[kVariants];
   measure<false>(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>(), rows,
@@ -276,5 +561,10 @@ int main() {
   for (int v = 0; v < kVariants; ++v)
     printf("  %-16s %9.1f (%4.2f) %9.1f (%4.2f)\n", kVariantNames[v], rows[v].cycles, rows[v].ghz, broadcast[v].cycles,
            broadcast[v].ghz);
+  printf("wgmma's MMA column 0 sums against main's (x 8 rows): largest relative difference %.3g\n",
+         wgmma_against_main(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>()));
+  if (sustain_s > 0)
+    sustained_table(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>(),
+                    sustain_s, only, SustainedVariants());
   return 0;
 }
