@@ -33,6 +33,8 @@
  *   wgmma from HBM  the same fed through the ring as "copies from HBM"
  *   stream only     the ring of "copies from HBM" with MMA warps that only wait for each stage and release it
  *   stream, 1 warp  the same with one MMA warp waiting and releasing, the other 15 gone
+ *   wide k-maj HBM  wide from HBM, k-major
+ *   wide 3 rows HBM wide from HBM with 3 x rows copied into each stage (B = 64's ~2.7 tokens a unit), not 8
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast; wgmma reads 8 rows in both).
  * With --sustain S, a second table: each of a few variants (--only: those of these indices in Variant)
@@ -63,12 +65,13 @@ namespace {
 enum Variant {
   kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
   kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kWgmma, kWgmmaHbm, kStreamOnly, kStreamOneWarp,
-  kVariants
+  kWideKMajorHbm, kWide3Hbm, kVariants
 };
 const char *const kVariantNames[kVariants] = {
     "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
     "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
-    "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp"};
+    "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp",
+    "wide k-maj HBM", "wide 3 rows HBM"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
@@ -215,13 +218,16 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr bool kHalf = kVariant == kHalfWarps, kStream = kVariant == kStreamOnly || kVariant == kStreamOneWarp;
   constexpr int kMmaWarps = kVariant == kStreamOneWarp ? 1 : kHalf ? kConsumerWarps / 2 : kConsumerWarps;
-  constexpr bool kWide = kVariant == kWideHbm || kVariant == kWideL2 || kVariant == kWideScales ||
-                         kVariant == kWideKMajor || kVariant == kWideNoX || kVariant == kWideTwoCols;
+  constexpr bool kWideHbmAny = kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm;
+  constexpr bool kKMajorWide = kVariant == kWideKMajor || kVariant == kWideKMajorHbm;
+  constexpr bool kWide = kWideHbmAny || kKMajorWide || kVariant == kWideL2 || kVariant == kWideScales ||
+                         kVariant == kWideNoX || kVariant == kWideTwoCols;
+  constexpr int kXRows = kVariant == kWide3Hbm ? 3 : kGroupTokens; /* x rows copied into each stage */
   constexpr bool kXCopies = kWide && kVariant != kWideNoX;
   constexpr bool kWgmmaAny = kVariant == kWgmma || kVariant == kWgmmaHbm;
   constexpr bool kCopies =
       kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kWgmmaHbm || kStream || kWide;
-  constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && kVariant != kWideHbm);
+  constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && !kWideHbmAny);
   /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
   uint32_t *words = reinterpret_cast<uint32_t *>(smem);
   const int stage_words = kStages * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
@@ -251,9 +257,9 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     RingPos pos;
     for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
       mbar_wait(&empty[pos.stage], pos.parity ^ 1);
-      if (lane == 0) mbar_arrive_expect_tx(&full[pos.stage], kGroupTokens * kActBytes);
+      if (lane == 0) mbar_arrive_expect_tx(&full[pos.stage], kXRows * kActBytes);
       __syncwarp(); /* the bytes are expected before any can land */
-      if (lane < kGroupTokens)
+      if (lane < kXRows)
         bulk_copy(smem + pos.stage * kStageBytes + kStageActOffset + lane * kActRowBytes,
                   source + (size_t)(lane * kOwnSourceChunks + c % kOwnSourceChunks) * kActBytes, kActBytes,
                   &full[pos.stage]);
@@ -282,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   o.act = x_row * local_x_pitch(kProbeHidden) + (kVariant == kKMajor ? warp : warp >> 2) * kActBlockBytes +
           16 * (lane & 3);
   if (kWide) /* x in the stage */
-    o = kVariant == kWideKMajor ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
+    o = kKMajorWide ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
                                 : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
   float acc[4][4] = {};
   __syncwarp();
@@ -298,8 +304,8 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
       mbar_arrive(&empty[s]);
       continue;
     }
-    if constexpr (kVariant == kWideScales || kVariant == kWideKMajor)
-      probe_chunk<kMain, kVariant == kWideKMajor, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
+    if constexpr (kVariant == kWideScales || kKMajorWide)
+      probe_chunk<kMain, kKMajorWide, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
     else if constexpr (kWide)
       consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
@@ -471,7 +477,7 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
 template <int... kVariant>
 using Seq = std::integer_sequence<int, kVariant...>;
 using SustainedVariants = Seq<kMain, kKMajor, kOneMask, kNoMma, kWgmma, kWideL2, kWideKMajor, kWideNoX, kWideTwoCols,
-                              kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm>;
+                              kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm, kWideKMajorHbm, kWide3Hbm>;
 
 template <int... kVariant>
 void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
