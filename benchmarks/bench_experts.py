@@ -10,8 +10,10 @@ Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 
   --layers calls over --layers distinct weight sets sharing one scratch (so L2 cannot
   serve the weights), replayed --replays times: median / layers. That times a card as fresh
   as a run allows (10 + 60 replays last tens of ms), yet at B >= 8 the kernel draws more than
-  the board's 700 W cap, which can act within those replays (nvidia-smi: the SW power cap and
-  1.7-1.97 GHz during the record), so the larger B move by a few % with the board's state.
+  the board's 700 W cap, which can act within those replays, so the larger B move by a few %
+  with the board's state. Each row carries that state over its timed replays (board.py, NVML):
+  board_W (median board power), sm_MHz (median SM clock) and power_capped (the share of ~2 ms
+  samples with the power cap among the clock event reasons); "-" without NVML.
   Studies, never the record: --rounds R captures the calls R times into each graph (median /
   (layers R)), so that the replay's own start, which no kernel before it can overlap, weighs
   as little as in a model's decode graph of many layers; --warmup-ms T replays each graph for
@@ -31,6 +33,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from board import Board  # noqa: E402
 from common import (ROUTINGS, graph_replay_time_us, ids_by_routing, measure_hbm_read_bandwidth,  # noqa: E402
                     parse_routing, print_table, random_mxfp4_layer, refuse_study_over_record, write_json)
 
@@ -42,7 +45,7 @@ BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
 def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1, warmup_ms=0.0, combine=False,
-                routing="uniform"):
+                routing="uniform", board=None):
     top_k = shape["top_k"]
     moes = []
     for l in range(layers):
@@ -61,14 +64,14 @@ def bench_shape(torch, kx, name, shape, batches, layers, replays, hbm, rounds=1,
         for m in moes:
             m.prepare(B, scratch, out, combine=combine)
         us = graph_replay_time_us(lambda: [m.run(x, ids, weights) for _ in range(rounds) for m in moes],
-                                  replays=replays, warmup_ms=warmup_ms) / (layers * rounds)
+                                  replays=replays, warmup_ms=warmup_ms, board=board) / (layers * rounds)
         tokens_per_expert = torch.bincount(ids.flatten().long())
         distinct = int((tokens_per_expert > 0).sum())
         weight_bytes = distinct * per_expert
         floor_us = weight_bytes / (hbm * 1e12) * 1e6
         rows.append(dict(shape=name, B=B, distinct_experts=distinct, max_expert_tokens=int(tokens_per_expert.max()),
                          weight_bytes=int(weight_bytes), us=us, floor_us=floor_us, ratio=us / floor_us,
-                         TBps=weight_bytes / us / 1e6))
+                         TBps=weight_bytes / us / 1e6, **(board.reading if board else {})))
         print(f"  {name} B={B}: {us:.2f} us, floor {floor_us:.2f} us, ratio {us / floor_us:.2f}", flush=True)
     del moes, scratch
     torch.cuda.empty_cache()
@@ -149,15 +152,18 @@ def main():
         batches = [int(b) for b in args.batches.split(",")]
     hbm = measure_hbm_read_bandwidth()
     print(f"HBM read bandwidth: {hbm:.3f} TB/s (probe_read over 4 GiB)", flush=True)
+    board = Board.open()
+    if board is None:
+        print("NVML not available: rows without the board's power state", flush=True)
     rows = []
     for name in args.shapes.split(","):
         rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds,
-                            args.warmup_ms, args.combine, args.routing)
+                            args.warmup_ms, args.combine, args.routing, board)
     write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays,
                warmup_ms=args.warmup_ms, output="combined" if args.combine else "rows", routing=args.routing)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
     print_table(rows, ["shape", "B", "distinct_experts", "max_expert_tokens", "weight_bytes", "us", "floor_us", "ratio",
-                       "TBps"])
+                       "TBps", "board_W", "sm_MHz", "power_capped"])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32,
 - TBps: weight bytes / us.  max_err: max |y - ref| / (|ref| + 2^-8 * rms(ref)) vs fp32.
 - --warmup-ms T: each of those graphs replays for T ms more before it is timed (a card under
   sustained load, whose power cap may have lowered the SM clock; a study, not the record).
+- board_W, sm_MHz, power_capped (cublas_...: the same for cuBLAS): the board's median power and
+  SM clock over the timed replays, and the share of ~2 ms samples with the power cap among the
+  clock event reasons (board.py, NVML); absent without NVML.
 Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs a graph with the GEMMs'
 programmatic dependent launch on and off, for a WsGemm predecessor (which lets its dependents
 start at once) and a plain torch kernel (which does not): hidden_us, the difference, is how much
@@ -28,6 +31,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from board import Board  # noqa: E402
 from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
                     refuse_study_over_record, write_json)
 
@@ -77,7 +81,7 @@ def max_err(y, ref):
     return ((y.float() - ref).abs() / scale).max().item()
 
 
-def bench_shape(kx, torch, n, k, replays, hbm_TBps, warmup_ms=0.0):
+def bench_shape(kx, torch, n, k, replays, hbm_TBps, warmup_ms=0.0, board=None):
     import torch.nn.functional as F
 
     gen = torch.Generator(device="cuda").manual_seed(1000 * n + k)
@@ -97,16 +101,19 @@ def bench_shape(kx, torch, n, k, replays, hbm_TBps, warmup_ms=0.0):
         err = max_err(outs[0], ref)
         cub_err = max_err(F.linear(x, weights[0]), ref)
 
-        us = graph_replay_time_us(lambda: run_all(gemms, x), replays, warmup_ms=warmup_ms) / COPIES
+        us = graph_replay_time_us(lambda: run_all(gemms, x), replays, warmup_ms=warmup_ms, board=board) / COPIES
+        state = dict(board.reading) if board else {}
         us_nopdl = graph_replay_time_us(lambda: run_all(gemms_nopdl, x), replays, warmup_ms=warmup_ms) / COPIES
         cublas_us = graph_replay_time_us(lambda: [F.linear(x, w) for w in weights], replays,
-                                         warmup_ms=warmup_ms) / COPIES
+                                         warmup_ms=warmup_ms, board=board) / COPIES
+        if board:
+            state.update({f"cublas_{key}": value for key, value in board.reading.items()})
         floor_us = wbytes / (hbm_TBps * 1e12) * 1e6
         rows.append({
             "N": n, "K": k, "M": m, "us": us, "us_nopdl": us_nopdl, "cublas_us": cublas_us,
             "TBps": wbytes / (us * 1e-6) / 1e12, "cublas_TBps": wbytes / (cublas_us * 1e-6) / 1e12,
             "floor_us": floor_us, "vs_floor": us / floor_us, "vs_cublas": us / cublas_us,
-            "max_err": err, "cublas_max_err": cub_err, "ok": bool(err < 2 ** -7),
+            "max_err": err, "cublas_max_err": cub_err, "ok": bool(err < 2 ** -7), **state,
         })
         print(f"  N={n} K={k} M={m}: {us:.2f} us (no PDL {us_nopdl:.2f}), cuBLAS {cublas_us:.2f} us,"
               f" floor {floor_us:.2f} us, err {err:.2e}", flush=True)
@@ -212,9 +219,12 @@ def main():
 
     hbm = measure_hbm_read_bandwidth()
     print(f"HBM read (probe_read, 4 GiB): {hbm:.3f} TB/s", flush=True)
+    board = Board.open()
+    if board is None:
+        print("NVML not available: rows without the board's power state", flush=True)
     rows = []
     for n, k in SHAPES:
-        rows += bench_shape(kx, torch, n, k, args.replays, hbm, args.warmup_ms)
+        rows += bench_shape(kx, torch, n, k, args.replays, hbm, args.warmup_ms, board)
         torch.cuda.empty_cache()
     invariant = batch_invariance(kx, torch, *CHAIN_SHAPE)
     chain_rows = [] if args.no_chain else chain(kx, torch, args.replays)
@@ -228,7 +238,7 @@ def main():
     print(f"\nbatch-invariant (bit-identical rows across M): {invariant}")
     print(f"results: {args.out}\n")
     print_table(rows, ["N", "K", "M", "us", "us_nopdl", "cublas_us", "floor_us", "TBps",
-                       "vs_cublas", "vs_floor", "max_err"])
+                       "vs_cublas", "vs_floor", "max_err", "sm_MHz", "power_capped", "cublas_power_capped"])
     if not all(r["ok"] for r in rows) or not invariant:
         sys.exit("bench_gemm: a correctness check failed (see max_err / batch-invariant)")
 

@@ -13,6 +13,7 @@ PyTorch is a benchmark dependency only; it is imported inside the functions that
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -67,15 +68,17 @@ def gpu_name() -> str:
 
 
 def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: int = 10,
-                         warmup_ms: float = 0.0) -> float:
+                         warmup_ms: float = 0.0, board=None) -> float:
     """Median time in microseconds of one replay of a CUDA graph that captures ``fn()``.
 
     ``fn`` must enqueue its work on ``torch.cuda.current_stream()`` (the capture stream while
     capturing, the replay stream afterwards). It runs once eagerly first (lazy initialisation,
     library heuristics), then is captured; ``warmup`` replays precede the ``replays`` timed ones.
     ``warmup_ms`` > 0 keeps the GPU replaying the graph for that long more, right before the
-    timed replays: the H200's power cap lowers the SM clock only after ~0.1 s of a heavy load,
-    so a short run of replays times a fresh card and a long warm-up a card under sustained load.
+    timed replays: the H200's power cap lowers the SM clock within tens of ms of a heavy load,
+    so a short run of replays times a card as fresh as a run allows and a long warm-up a card
+    under sustained load.
+    ``board`` (a ``board.Board``) is sampled over the timed replays: ``board.reading`` after.
     """
     import torch
 
@@ -101,11 +104,12 @@ def graph_replay_time_us(fn: Callable[[], object], replays: int = 100, warmup: i
             graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for start, end in zip(starts, ends):
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
+    with board.window() if board else contextlib.nullcontext():
+        for start, end in zip(starts, ends):
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
     times = [start.elapsed_time(end) * 1000.0 for start, end in zip(starts, ends)]
     del graph
     return statistics.median(times)
