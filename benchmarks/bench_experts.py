@@ -13,7 +13,8 @@ Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 
   the board's 700 W cap, which can act within those replays, so the larger B move by a few %
   with the board's state. Each row carries that state over its timed replays (board.py, NVML):
   board_W (median board power), sm_MHz (median SM clock) and power_capped (the share of ~2 ms
-  samples with the power cap among the clock event reasons); "-" without NVML.
+  samples with the power cap among the clock event reasons); "-" without NVML. NVML refreshes
+  them about every 100 ms, so rows shorter than that read the state the run left the board in.
   Studies, never the record: --rounds R captures the calls R times into each graph (median /
   (layers R)), so that the replay's own start, which no kernel before it can overlap, weighs
   as little as in a model's decode graph of many layers; --warmup-ms T replays each graph for

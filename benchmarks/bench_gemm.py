@@ -14,7 +14,8 @@ For (N, K) in (1024, 7168), (4096, 7168), (7168, 2048) and M in 1, 4, 8, 16, 32,
   sustained load, whose power cap may have lowered the SM clock; a study, not the record).
 - board_W, sm_MHz, power_capped (cublas_...: the same for cuBLAS): the board's median power and
   SM clock over the timed replays, and the share of ~2 ms samples with the power cap among the
-  clock event reasons (board.py, NVML); absent without NVML.
+  clock event reasons (board.py, NVML; refreshed about every 100 ms, so these short rows read
+  the state the run left the board in); absent without NVML.
 Then a chain: 8 (predecessor -> WsGemm N=4096, K=7168) pairs a graph with the GEMMs'
 programmatic dependent launch on and off, for a WsGemm predecessor (which lets its dependents
 start at once) and a plain torch kernel (which does not): hidden_us, the difference, is how much

@@ -6,7 +6,9 @@ itself (session 52), so at B >= 8 the power cap lowers the SM clock within tens 
 timed figure depends on how far into the cap its replays ran. Every record row therefore
 carries what the board did while it was timed: the median instantaneous board power, the
 median SM clock, and the share of samples in which the driver reported the software power cap
-(or a hardware slowdown) among its clock event reasons.
+(or a hardware slowdown) among its clock event reasons. NVML refreshes power and clock about
+every 100 ms (nvidia-smi at 50 ms sees each value twice), so a window shorter than that reads
+the state the run had brought the board to, not the window's own draw.
 
     board = Board.open()              # None without NVML or a matching device
     with board.window():              # around the timed replays, synchronize included
