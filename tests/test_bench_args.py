@@ -31,6 +31,8 @@ def _run(script, *args):
      "--routing: routing 'zipf': uniform, same or zipf-S"),
     ("bench_gemm.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
     ("bench_gemm.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
+    ("peers.py", ["--calls", "2"], "--calls: at least 3"),
+    ("peers.py", ["--batches", "0,8"], "--batches: B values >= 1"),
 ])
 def test_study_options_refused(script, args, message):
     done = _run(script, *args)
