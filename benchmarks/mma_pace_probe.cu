@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
           16 * (lane & 3);
   if (kWide) /* x in the stage */
     o = kKMajorWide ? unit_offsets(kFc1Strips, 0, warp, kFc1ChunkKb, kActRowBytes)
-                                : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
+                    : unit_offsets(kFc1Strips, warp & 3, warp >> 2, kFc1ChunkKb, kActRowBytes);
   float acc[4][4] = {};
   __syncwarp();
   const long long t0 = clock64();
