@@ -35,6 +35,9 @@
  *   stream, 1 warp  the same with one MMA warp waiting and releasing, the other 15 gone
  *   wide k-maj HBM  wide from HBM, k-major
  *   wide 3 rows HBM wide from HBM with 3 x rows copied into each stage (B = 64's ~2.7 tokens a unit), not 8
+ *   wide 16 tok HBM wide from HBM with units of 16 tokens: each decoded weight fragment meets two MMA column
+ *                   tiles, the stage's 8 x rows and 8 more from resident x (what a hot expert's 16-token unit
+ *                   would cost the MMA warps; its second 8 rows' copies not counted)
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast; wgmma reads 8 rows in both).
  * With --sustain S, a second table: each of a few variants (--only: those of these indices in Variant)
@@ -65,13 +68,13 @@ namespace {
 enum Variant {
   kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
   kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kWgmma, kWgmmaHbm, kStreamOnly, kStreamOneWarp,
-  kWideKMajorHbm, kWide3Hbm, kVariants
+  kWideKMajorHbm, kWide3Hbm, kWide16Hbm, kVariants
 };
 const char *const kVariantNames[kVariants] = {
     "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
     "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
     "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp",
-    "wide k-maj HBM", "wide 3 rows HBM"};
+    "wide k-maj HBM", "wide 3 rows HBM", "wide 16 tok HBM"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
@@ -211,6 +214,39 @@ __device__ __forceinline__ void wgmma_chunk(uint32_t stage, uint32_t xc, const U
   }
 }
 
+/* A wide chunk of units of 16 tokens: each unit's decoded weights multiply two MMA column tiles of x, the
+ * first's fragments from act0 (the stage's rows), the second's from act1, into acc[0] and acc[1]. */
+__device__ __forceinline__ void wide16_chunk(uint32_t stage, uint32_t act0, uint32_t act1, const UnitOffsets &o,
+                                             uint64_t *empty, float (&acc)[4][4]) {
+  uint2 w[4];
+  uint4 b0[4], b1[4];
+  uint32_t sw[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w[j] = lds64(stage + o.weights + j * 4 * kUnitWeightBytes);
+    b0[j] = lds128(act0 + j * 4 * kActBlockBytes);
+    b1[j] = lds128(act1 + j * 4 * kActBlockBytes);
+    sw[j] = lds16(stage + o.scales + j * 4 * kUnitScaleBytes);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    uint32_t a_lo[4], a_hi[4];
+    decode_fp4x8(w[j].x, a_lo);
+    decode_fp4x8(w[j].y, a_hi);
+    float d0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, d1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_f16(d0, a_lo, b0[j].x, b0[j].y);
+    mma_f16(d0, a_hi, b0[j].z, b0[j].w);
+    mma_f16(d1, a_lo, b1[j].x, b1[j].y);
+    mma_f16(d1, a_hi, b1[j].z, b1[j].w);
+    for (int i = 0; i < 4; ++i) {
+      acc[0][i] = fmaf(d0[i], i < 2 ? sw_g : sw_g8, acc[0][i]);
+      acc[1][i] = fmaf(d1[i], i < 2 ? sw_g : sw_g8, acc[1][i]);
+    }
+  }
+  mbar_arrive(empty);
+}
+
 template <int kVariant, bool kBroadcastX>
 __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source, unsigned long long *cycles,
                                                            float *sink) {
@@ -218,7 +254,8 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr bool kHalf = kVariant == kHalfWarps, kStream = kVariant == kStreamOnly || kVariant == kStreamOneWarp;
   constexpr int kMmaWarps = kVariant == kStreamOneWarp ? 1 : kHalf ? kConsumerWarps / 2 : kConsumerWarps;
-  constexpr bool kWideHbmAny = kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm;
+  constexpr bool kWideHbmAny =
+      kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm || kVariant == kWide16Hbm;
   constexpr bool kKMajorWide = kVariant == kWideKMajor || kVariant == kWideKMajorHbm;
   constexpr bool kWide = kWideHbmAny || kKMajorWide || kVariant == kWideL2 || kVariant == kWideScales ||
                          kVariant == kWideNoX || kVariant == kWideTwoCols;
@@ -306,6 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     }
     if constexpr (kVariant == kWideScales || kKMajorWide)
       probe_chunk<kMain, kKMajorWide, kVariant == kWideScales, true>(stage, stage, o, &empty[s], acc);
+    else if constexpr (kVariant == kWide16Hbm)
+      wide16_chunk(stage, stage + o.act, x + x_row * local_x_pitch(kProbeHidden) + (warp >> 2) * kActBlockBytes +
+                   16 * (lane & 3), o, &empty[s], acc);
     else if constexpr (kWide)
       consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
@@ -477,7 +517,8 @@ void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long l
 template <int... kVariant>
 using Seq = std::integer_sequence<int, kVariant...>;
 using SustainedVariants = Seq<kMain, kKMajor, kOneMask, kNoMma, kWgmma, kWideL2, kWideKMajor, kWideNoX, kWideTwoCols,
-                              kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm, kWideKMajorHbm, kWide3Hbm>;
+                              kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm, kWideKMajorHbm, kWide3Hbm,
+                              kWide16Hbm>;
 
 template <int... kVariant>
 void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
