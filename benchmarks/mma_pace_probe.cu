@@ -128,15 +128,15 @@ __device__ __forceinline__ void probe_chunk(uint32_t stage, uint32_t x, const Un
   mbar_arrive(empty);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
     float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     unit_products<kVariant>(w[j], kShared ? b[0] : b[j], d);
     float (&sums)[4] = acc[kShared ? j : 0];
-    sums[0] = fmaf(d[0], sw_g, sums[0]);
-    sums[2] = fmaf(d[2], sw_g8, sums[2]);
+    sums[0] = fmaf(d[0], ws.x, sums[0]);
+    sums[2] = fmaf(d[2], ws.y, sums[2]);
     if (kAllColumns) {
-      sums[1] = fmaf(d[1], sw_g, sums[1]);
-      sums[3] = fmaf(d[3], sw_g8, sums[3]);
+      sums[1] = fmaf(d[1], ws.x, sums[1]);
+      sums[3] = fmaf(d[3], ws.y, sums[3]);
     }
   }
 }
@@ -206,11 +206,11 @@ __device__ __forceinline__ void wgmma_chunk(uint32_t stage, uint32_t xc, const U
   mbar_arrive(empty);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
-    acc[0] = fmaf(d[j][0], sw_g, acc[0]);
-    acc[1] = fmaf(d[j][1], sw_g, acc[1]);
-    acc[2] = fmaf(d[j][2], sw_g8, acc[2]);
-    acc[3] = fmaf(d[j][3], sw_g8, acc[3]);
+    const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
+    acc[0] = fmaf(d[j][0], ws.x, acc[0]);
+    acc[1] = fmaf(d[j][1], ws.x, acc[1]);
+    acc[2] = fmaf(d[j][2], ws.y, acc[2]);
+    acc[3] = fmaf(d[j][3], ws.y, acc[3]);
   }
 }
 
@@ -230,7 +230,7 @@ __device__ __forceinline__ void wide16_chunk(uint32_t stage, uint32_t act0, uint
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+    const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
     uint32_t a_lo[4], a_hi[4];
     decode_fp4x8(w[j].x, a_lo);
     decode_fp4x8(w[j].y, a_hi);
@@ -240,8 +240,8 @@ __device__ __forceinline__ void wide16_chunk(uint32_t stage, uint32_t act0, uint
     mma_f16(d1, a_lo, b1[j].x, b1[j].y);
     mma_f16(d1, a_hi, b1[j].z, b1[j].w);
     for (int i = 0; i < 4; ++i) {
-      acc[0][i] = fmaf(d0[i], i < 2 ? sw_g : sw_g8, acc[0][i]);
-      acc[1][i] = fmaf(d1[i], i < 2 ? sw_g : sw_g8, acc[1][i]);
+      acc[0][i] = fmaf(d0[i], i < 2 ? ws.x : ws.y, acc[0][i]);
+      acc[1][i] = fmaf(d1[i], i < 2 ? ws.x : ws.y, acc[1][i]);
     }
   }
   mbar_arrive(empty);

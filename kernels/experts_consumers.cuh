@@ -29,6 +29,13 @@ __device__ __forceinline__ int units_in(int nkb, int k_slot, int step_log2) {
   return nkb > k_slot ? (nkb - k_slot + (1 << step_log2) - 1) >> step_log2 : 0;
 }
 
+/* A unit's two weight scales from its 2-byte pair (row g's byte low, row g + 8's high) as factors:
+ * row g's byte lands on the exponent, row g + 8's low bit on the sign, which the FFMAs drop
+ * (|operand|): one shift, no mask. */
+__device__ __forceinline__ float2 unit_weight_scales(uint32_t pair) {
+  return make_float2(fabsf(__uint_as_float(pair << 23)), e8m0_to_float_nonzero(pair >> 8));
+}
+
 /* One warp's kUnits units of the stage at shared address `stage` (its activations from
  * act_base: the stage, or local x's chunk): every shared-memory
  * load first (unit by unit), then decode + MMA with no branch between units, then the
@@ -63,9 +70,7 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
     float (&sums)[4] = kChunkScale ? part : acc;
 #pragma unroll
     for (int j = 0; j < kUnits; ++j) {
-      /* row g's byte lands on the exponent, row g+8's low bit on the sign, which the FFMAs
-       * drop (|operand|): one shift, no mask */
-      const float sw_g = fabsf(__uint_as_float(sw[j] << 23)), sw_g8 = e8m0_to_float_nonzero(sw[j] >> 8);
+      const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
       uint32_t a_lo[4], a_hi[4];
       decode_fp4x8(w[j].x, a_lo);
       decode_fp4x8(w[j].y, a_hi);
@@ -73,11 +78,11 @@ __device__ __forceinline__ void consume_units(uint32_t stage, uint32_t act_base,
       mma_f16(d, a_lo, b[j].x, b[j].y);
       mma_f16(d, a_hi, b[j].z, b[j].w);
       if (kPartial && j >= units) continue;
-      sums[0] = fmaf(d[0], sw_g, sums[0]);
-      sums[2] = fmaf(d[2], sw_g8, sums[2]);
+      sums[0] = fmaf(d[0], ws.x, sums[0]);
+      sums[2] = fmaf(d[2], ws.y, sums[2]);
       if constexpr (!kOneToken) { /* one token: column 0 alone is ever read */
-        sums[1] = fmaf(d[1], sw_g, sums[1]);
-        sums[3] = fmaf(d[3], sw_g8, sums[3]);
+        sums[1] = fmaf(d[1], ws.x, sums[1]);
+        sums[3] = fmaf(d[3], ws.y, sums[3]);
       }
     }
     /* every lane releases the stage once the values its loads read are in registers (no
