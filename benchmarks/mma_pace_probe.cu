@@ -374,16 +374,16 @@ struct Pace {
   double cycles, ghz; /* a chunk's cycles and the SM clock, medians over every warp of 5 launches */
 };
 
-template <int kVariant, bool kBroadcastX>
-Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink) {
-  const auto kernel = pace_kernel<kVariant, kBroadcastX>;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
+/* Words of pace_kernel's cycles buffer: (cycles, ns) for every MMA warp. */
+static size_t warp_words(int grid) { return 2 * (size_t)grid * kConsumerWarps; }
+
+/* Every reporting warp's cycles a chunk and clock, over the launches added. */
+struct WarpPaces {
   std::vector<double> per_chunk, ghz;
-  std::vector<unsigned long long> h(2 * (size_t)grid * kConsumerWarps);
-  for (int rep = 0; rep < 5; ++rep) {
-    CHECK(cudaMemset(d_cycles, 0, h.size() * sizeof(h[0])));
-    kernel<<<grid, kThreads, smem_bytes>>>(source, d_cycles, d_sink);
-    CHECK(cudaGetLastError());
+
+  /* The warps of the launch that last wrote d_cycles. */
+  void add(int grid, const unsigned long long *d_cycles) {
+    std::vector<unsigned long long> h(warp_words(grid));
     CHECK(cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < h.size(); i += 2)
       if (h[i]) {
@@ -391,11 +391,27 @@ Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long
         ghz.push_back((double)h[i] / (double)h[i + 1]);
       }
   }
-  if (per_chunk.empty()) {
-    fprintf(stderr, "pace_kernel: no warp reported\n");
-    exit(1);
+  Pace median() const {
+    if (per_chunk.empty()) {
+      fprintf(stderr, "pace_kernel: no warp reported\n");
+      exit(1);
+    }
+    return Pace{::median(per_chunk), ::median(ghz)};
   }
-  return Pace{median(per_chunk), median(ghz)};
+};
+
+template <int kVariant, bool kBroadcastX>
+Pace pace(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink) {
+  const auto kernel = pace_kernel<kVariant, kBroadcastX>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes));
+  WarpPaces paces;
+  for (int rep = 0; rep < 5; ++rep) {
+    CHECK(cudaMemset(d_cycles, 0, warp_words(grid) * sizeof(unsigned long long)));
+    kernel<<<grid, kThreads, smem_bytes>>>(source, d_cycles, d_sink);
+    CHECK(cudaGetLastError());
+    paces.add(grid, d_cycles);
+  }
+  return paces.median();
 }
 
 /* NVML through dlopen (the driver's library, no link-time dependency): the board's energy counter,
@@ -471,15 +487,9 @@ Sustained sustain(int grid, size_t smem_bytes, const uint8_t *source, unsigned l
   }
   const double elapsed = seconds_now() - t0, joules = 1e-3 * (double)(nvml.energy() - e0);
   const double chunks = (double)launches * grid * kProbeChunks;
-  std::vector<unsigned long long> h(2 * (size_t)grid * kConsumerWarps);
-  CHECK(cudaMemcpy(h.data(), d_cycles, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
-  std::vector<double> per_chunk, ghz;
-  for (size_t i = 0; i < h.size(); i += 2)
-    if (h[i]) {
-      per_chunk.push_back((double)h[i] / kProbeChunks);
-      ghz.push_back((double)h[i] / (double)h[i + 1]);
-    }
-  r.pace = Pace{median(per_chunk), median(ghz)};
+  WarpPaces paces;
+  paces.add(grid, d_cycles);
+  r.pace = paces.median();
   r.watts = joules / elapsed;
   r.uj_chunk = 1e6 * joules / chunks;
   r.chunks_us = chunks / (1e6 * elapsed);
@@ -586,7 +596,7 @@ int main(int argc, char **argv) {
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 128 +
                             kStages * kWgmmaChunkBytes;
-  Dev cycles(2 * (size_t)sms * kConsumerWarps * sizeof(unsigned long long)),
+  Dev cycles(warp_words(sms) * sizeof(unsigned long long)),
       sink(2 * (size_t)sms * kConsumerThreads * sizeof(float));
   /* the copies' source: hashed words whose FP4 codes are positive, scales at most 2^-8, f16 finite;
    * --constant: every byte 0x35 (FP4 pairs 3 and 5, scales 2^-74), what toggles nothing */
