@@ -116,17 +116,23 @@ def test_large_batch(kx, gpu_layers, scratches, shape, B):
     check_close(z, ref.combine_rows(want, rw), what + " combined")
 
 
-@pytest.mark.parametrize("case", ["one-hot-expert", "same-16-experts", "all-slots-repeat"])
-def test_skewed_routing(kx, gpu_layers, scratches, case):
-    """Every token on one expert / the same 16 experts / one expert in all 16 slots."""
+@pytest.mark.parametrize("B", [9, 20, 27, 64])
+@pytest.mark.parametrize("case", ["one-hot-expert", "same-16-experts", "all-slots-repeat", "hot-pool"])
+def test_skewed_routing(kx, gpu_layers, scratches, case, B):
+    """Every token on one expert / the same 16 experts / one expert in all 16 slots / 16 of 24
+    experts at random: experts of 9-64 tokens, so several units an expert, the last one full or
+    partial (the units of session 53's two-tile branch, 9-16 tokens, ran these too)."""
     layer = gpu_layers["k3-tp8"]
-    B = 64
-    seed = seed_of("skew", case)
+    seed = seed_of("skew", case, B)
     x, ids, rw = _inputs(layer, B, seed)
     if case == "one-hot-expert":
         ids[:, 0] = 383
     elif case == "same-16-experts":
         ids[:] = torch.arange(100, 116, dtype=torch.int32, device=DEV)
+    elif case == "hot-pool":
+        g = torch.Generator().manual_seed(seed)
+        pool = torch.randperm(layer.shape["E"], generator=g)[:24]
+        ids[:] = torch.stack([pool[torch.randperm(24, generator=g)[:16]] for _ in range(B)]).to(DEV, torch.int32)
     else:
         ids[:] = ids[:, :1]
     what = f"{layer.describe()} B={B} seed={seed} routing={case}"
