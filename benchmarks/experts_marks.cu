@@ -7,7 +7,7 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
  *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
- *                                      [--inputs cold|hot|near] [--combine]
+ *                                      [--inputs cold|hot|near] [--combine] [--routing uniform|same]
  *
  * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
  * bench_experts.py, every layer with the same ids (B tokens, distinct experts per token), so
@@ -25,7 +25,8 @@
  * puts them right after the scratch, in pages every call touches (is the start's first load
  * slow for its address translation?). --combine runs the fused combine (random routing weights,
  * out [B, H]); the last CTAs then show when their MMA warps left their tiles and, in one-token
- * launches, when they had the row words to combine.
+ * launches, when they had the row words to combine. --routing same puts every token on experts
+ * 100..100+K-1 (bench_experts.py's `same`: units of 8 tokens, several an expert).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -76,7 +77,7 @@ int main(int argc, char **argv) {
   kx_moe_shape s = {384, 3584, 384, 16};
   const char *name = "k3-tp8";
   int batch = 1, last = 12;
-  bool hot_inputs = false, near_inputs = false, combine = false;
+  bool hot_inputs = false, near_inputs = false, combine = false, same = false;
   for (int i = 1; i < argc; i += 2) {
     const char *value = i + 1 < argc ? argv[i + 1] : "";
     if (!strcmp(argv[i], "--combine")) {
@@ -89,13 +90,16 @@ int main(int argc, char **argv) {
       batch = atoi(value);
     } else if (!strcmp(argv[i], "--last") && atoi(value) > 0) {
       last = atoi(value);
+    } else if (!strcmp(argv[i], "--routing") && (!strcmp(value, "same") || !strcmp(value, "uniform"))) {
+      same = !strcmp(value, "same");
     } else if (!strcmp(argv[i], "--inputs") &&
                (!strcmp(value, "hot") || !strcmp(value, "cold") || !strcmp(value, "near"))) {
       hot_inputs = !strcmp(value, "hot");
       near_inputs = !strcmp(value, "near");
     } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
       fprintf(stderr,
-              "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near, --combine)\n",
+              "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near, --combine, "
+              "--routing uniform|same)\n",
               argv[i], value);
       return 2;
     }
@@ -131,7 +135,7 @@ int main(int argc, char **argv) {
   for (int t = 0; t < batch; ++t) {
     for (int e = 0; e < E; ++e) perm[e] = e;
     std::shuffle(perm.begin(), perm.end(), rng);
-    for (int j = 0; j < K; ++j) ids[(size_t)t * K + j] = perm[j];
+    for (int j = 0; j < K; ++j) ids[(size_t)t * K + j] = same ? 100 + j : perm[j];
   }
   kx_moe_config cfg;
   CHECK(kx_moe_configure(&s, 0, &cfg));
@@ -222,12 +226,13 @@ int main(int argc, char **argv) {
     const unsigned long long v = tm[(size_t)index * kMarksPerTile + k];
     return v ? (double)(long long)(v - waited) / 1000.0 : -1.0;
   };
-  /* the units are the launch's distinct experts (one token: its K); each unit's last FC1 tile to store its hidden
-   * words (one token) or its h (several) */
+  /* the units: ceil(tokens / 8) of each distinct expert (one token: its K); each unit's last FC1 tile to store its
+   * hidden words (one token) or its h (several). Every token's experts are distinct, so an expert's tokens are its ids. */
   const PhaseShape fc1 = fc1_shape(E, H, I), fc2 = fc2_shape(E, H, I);
-  std::vector<int32_t> distinct(ids);
-  std::sort(distinct.begin(), distinct.end());
-  const int units = (int)(std::unique(distinct.begin(), distinct.end()) - distinct.begin());
+  std::map<int32_t, int> tokens_of;
+  for (int32_t id : ids) ++tokens_of[id];
+  int units = 0;
+  for (const auto &e : tokens_of) units += (e.second + 7) / 8;
   const int fc1_tiles = units * fc1.tiles;
   std::vector<double> last_stored(units, -1.0);
   for (int index = 0; index < fc1_tiles; ++index)
