@@ -226,8 +226,9 @@ int main(int argc, char **argv) {
     const unsigned long long v = tm[(size_t)index * kMarksPerTile + k];
     return v ? (double)(long long)(v - waited) / 1000.0 : -1.0;
   };
-  /* the units: ceil(tokens / 8) of each distinct expert (one token: its K); each unit's last FC1 tile to store its
-   * hidden words (one token) or its h (several). Every token's experts are distinct, so an expert's tokens are its ids. */
+  /* the units: ceil(tokens / 8) of each distinct expert (one token: its K), an id's count being its expert's tokens
+   * (a token's K experts are distinct); each unit's last FC1 tile to store its hidden words (one token) or its h
+   * (several) */
   const PhaseShape fc1 = fc1_shape(E, H, I), fc2 = fc2_shape(E, H, I);
   std::map<int32_t, int> tokens_of;
   for (int32_t id : ids) ++tokens_of[id];
