@@ -30,20 +30,10 @@ __device__ __forceinline__ SlotOfLane slot_of_lane(const Params &p, const Routin
   return s;
 }
 
-/* Lane j < K's slot's hidden row alone (0 past K or for a bad id). */
-__device__ __forceinline__ int slot_of_lane_row(const Params &p, const Routing &r, int t) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k;
-  if (lane >= K) return 0;
-  const int e = r.pair_expert[t * K + lane];
-  return e >= 0 ? hidden_row(r, r.expert_slot[e], t) : 0;
-}
-
-/* The same, its row from shared memory where plan_word_item left it (rows: this warp's 32). */
+/* The same, its row from shared memory where plan_word_item left it (rows: this warp's 32); the row's
+ * lookups, unused, compile away. */
 __device__ __forceinline__ SlotOfLane planned_slot_of_lane(const Params &p, const Routing &r, int t, const int *rows) {
-  const int lane = threadIdx.x & 31, K = p.shape.top_k;
-  SlotOfLane s{rows[lane], 0.0f};
-  if (lane < K && r.pair_expert[t * K + lane] >= 0) s.weight = __ldg(&p.route_weights[t * p.rw_ld + lane]);
-  return s;
+  return SlotOfLane{rows[threadIdx.x & 31], slot_of_lane(p, r, t).weight};
 }
 
 /* Polls the row words at[i] of the slots whose bit is set in pending, every pending load in flight
@@ -233,7 +223,7 @@ __device__ void plan_word_item(const Params &p, const Routing &r, uint8_t *smem)
   const int i = (int)blockIdx.x + gridDim.x * warp; /* launches of several tokens: combine_items' plain deal */
   const int t = i / pieces;
   const bool mine = i < items && r.token_experts[t] != 0; /* else write_nan_rows' */
-  if (mine) reinterpret_cast<int *>(smem + p.smem.item_rows)[warp * 32 + lane] = slot_of_lane_row(p, r, t);
+  if (mine) reinterpret_cast<int *>(smem + p.smem.item_rows)[warp * 32 + lane] = slot_of_lane(p, r, t).row;
   if (lane == 0) reinterpret_cast<int *>(smem + p.smem.item_of_warp)[warp] = mine ? i : -1;
   __syncwarp();
 }
