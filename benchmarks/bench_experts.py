@@ -36,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from board import Board  # noqa: E402
 from common import (ROUTINGS, graph_replay_time_us, ids_by_routing, measure_hbm_read_bandwidth,  # noqa: E402
-                    parse_routing, print_table, random_mxfp4_layer, refuse_study_over_record, write_json)
+                    parse_batches, parse_routing, print_table, random_mxfp4_layer, refuse_study_over_record, write_json)
 
 SHAPES = {
     "k3-tp8": dict(H=3584, I=384, E=384, top_k=16, hidden_scale="floor"),
@@ -138,19 +138,16 @@ def main():
     except ValueError as e:
         ap.error(f"--routing: {e}")
     refuse_study_over_record(ap, "--routing", args.routing != "uniform", args.out, record)
+    batches = BATCHES + ([128, 256] if args.large else [])
     if args.batches:
         refuse_study_over_record(ap, "--batches", True, args.out, record)
-        if not all(b.isdigit() and int(b) >= 1 for b in args.batches.split(",")):
-            ap.error("--batches: B values >= 1, comma-separated")
+        batches = parse_batches(ap, args.batches)
 
     import torch
     import kimi_experts as kx
 
     if not kx.cuda_available():
         sys.exit(f"no usable GPU: {kx.backend_info()['reason']}")
-    batches = BATCHES + ([128, 256] if args.large else [])
-    if args.batches:
-        batches = [int(b) for b in args.batches.split(",")]
     hbm = measure_hbm_read_bandwidth()
     print(f"HBM read bandwidth: {hbm:.3f} TB/s (probe_read over 4 GiB)", flush=True)
     board = Board.open()

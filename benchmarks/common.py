@@ -197,6 +197,14 @@ def ids_by_routing(torch, routing: str, generator, batch: int, top_k: int, exper
                                    generator=generator)].to(torch.int32)
 
 
+def parse_batches(parser, text: str) -> list[int]:
+    """--batches' B values, comma-separated, each >= 1; the parser's error otherwise."""
+    values = text.split(",")
+    if not all(v.isdigit() and int(v) >= 1 for v in values):
+        parser.error("--batches: B values >= 1, comma-separated")
+    return [int(v) for v in values]
+
+
 def refuse_study_over_record(parser, option: str, given: bool, out: str, record: str) -> None:
     """Ends the run through ``parser.error`` when a study ``option`` was given and ``out`` is the
     record's path: a study's figures must not replace the record."""

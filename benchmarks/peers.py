@@ -29,7 +29,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_experts import BATCHES, SHAPES, bench_shape  # noqa: E402
-from common import measure_hbm_read_bandwidth, print_table, random_mxfp4_layer, routed_ids, write_json  # noqa: E402
+from common import (measure_hbm_read_bandwidth, parse_batches, print_table, random_mxfp4_layer,  # noqa: E402
+                    routed_ids, write_json)
 
 # SPEC 8's peers that need a package: (name, module to import, what it would run)
 PACKAGED = [
@@ -95,8 +96,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "peers-h200.json"))
     args = ap.parse_args()
-    if not all(b.isdigit() and int(b) >= 1 for b in args.batches.split(",")):
-        ap.error("--batches: B values >= 1, comma-separated")
+    batches = parse_batches(ap, args.batches)
     if args.calls < 3:
         ap.error("--calls: at least 3 (the median of several calls is the figure)")
 
@@ -106,7 +106,6 @@ def main():
 
     if not kx.cuda_available():
         sys.exit(f"no usable GPU: {kx.backend_info()['reason']}")
-    batches = [int(b) for b in args.batches.split(",")]
     shape = SHAPES[args.shape]
     hbm = measure_hbm_read_bandwidth()
     print(f"HBM read bandwidth: {hbm:.3f} TB/s (probe_read over 4 GiB)", flush=True)
