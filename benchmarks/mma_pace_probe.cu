@@ -38,6 +38,19 @@
  *   wide 16 tok HBM wide from HBM with units of 16 tokens: each decoded weight fragment meets two MMA column
  *                   tiles, the stage's 8 x rows and 8 more from resident x (what a hot expert's 16-token unit
  *                   would cost the MMA warps; its second 8 rows' copies not counted)
+ *   wgmma e4m3      a unit as one m64n8k32 e4m3 wgmma (session 55): A the warps' FP4 words placed as e4m3
+ *                   in registers (value x 2^-6, two LOP3 and two shifts a register pair more than a mask),
+ *                   B 8 rows of e4m3 x from shared memory, each sum scaled by its row's weight scale times
+ *                   its column's x scale (x's scales cannot be folded into e4m3 codes as they are into
+ *                   f16 ones). Whether the FP8 tensor path costs less energy a chunk than f16's, which
+ *                   the power cap turns into rate at B >= 8. Timing and energy only: the codes are random
+ *                   and the sums are checked for being finite, not against a reference
+ *   wgmma e4m3 HBM  the same fed through the ring as "copies from HBM"
+ *   no math HBM     "no decode/MMA" fed through the ring as "copies from HBM": whether less work a chunk
+ *                   lifts the clock the power cap leaves, and the rate with it
+ *   copies HBM 6 st, wide 3 rows 6 st  "copies from HBM" and "wide 3 rows HBM" with a ring of 6 stages
+ *                   instead of 4: whether the rate at the cap is the bytes in flight (Little's law) or a
+ *                   path that runs at the capped clock
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast; wgmma reads 8 rows in both).
  * With --sustain S, a second table: each of a few variants (--only: those of these indices in Variant)
@@ -68,17 +81,20 @@ namespace {
 enum Variant {
   kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
   kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kWgmma, kWgmmaHbm, kStreamOnly, kStreamOneWarp,
-  kWideKMajorHbm, kWide3Hbm, kWide16Hbm, kVariants
+  kWideKMajorHbm, kWide3Hbm, kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6, kVariants
 };
 const char *const kVariantNames[kVariants] = {
     "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
     "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
     "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp",
-    "wide k-maj HBM", "wide 3 rows HBM", "wide 16 tok HBM"};
+    "wide k-maj HBM", "wide 3 rows HBM", "wide 16 tok HBM", "wgmma e4m3",   "wgmma e4m3 HBM",
+    "no math HBM",   "copies HBM 6 st", "wide 3 rows 6 st"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
 constexpr int kSharedSourceChunks = 8, kOwnSourceChunks = 64;
+constexpr int kMaxRing = 6;
+__host__ __device__ constexpr int ring_stages(int variant) { return variant == kCopiesHbm6 || variant == kWide3Hbm6 ? kMaxRing : kStages; }
 
 /* One unit's two MMAs (or their stand-in) into d. */
 template <int kVariant>
@@ -247,6 +263,79 @@ __device__ __forceinline__ void wide16_chunk(uint32_t stage, uint32_t act0, uint
   mbar_arrive(empty);
 }
 
+/* ---- wgmma e4m3 with A from registers (m64n8k32) -------------------------------------- */
+/* x as e4m3 in wgmma's B layout, a k-block (8 rows x 32 codes) as two 8 x 16-byte core matrices 128 bytes
+ * apart, then each stage's x scales (a k-block's 8 rows' bytes). Random finite codes and scales near 1. */
+constexpr int kWgmma8BlockBytes = 256, kWgmma8ChunkBytes = kFc1ChunkKb * kWgmma8BlockBytes;
+constexpr int kWgmma8ScaleOffset = kStages * kWgmma8ChunkBytes, kWgmma8ChunkScales = kFc1ChunkKb * kGroupTokens;
+static_assert(kWgmma8ScaleOffset + kStages * kWgmma8ChunkScales <= kStages * kWgmmaChunkBytes, "fits f16's x");
+
+__device__ void build_wgmma8_x(uint8_t *xc) {
+  uint32_t *words = reinterpret_cast<uint32_t *>(xc);
+  for (int i = threadIdx.x; i < (kWgmma8ScaleOffset + kStages * kWgmma8ChunkScales) / 4; i += blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    words[i] = i < kWgmma8ScaleOffset / 4 ? h & 0x77777777u : 0x78787878u | (h & 0x03030303u);
+  }
+}
+
+/* 8 FP4 codes as 8 e4m3 (each value x 2^-6): the packer would place one nibble of each byte at bits 7, 4,
+ * 3, 2 (sign, e1, e0, m: where an e4m3's sign, low exponent bits and top mantissa bit sit) and the other at
+ * bits 5, 6, 1, 0 (bits 5, 1, 0 move 2 left, bit 6 two right). */
+__device__ __forceinline__ void decode_fp4x8_e4m3(uint32_t w, uint32_t &a, uint32_t &b) {
+  a = w & 0x9C9C9C9Cu;
+  b = ((w << 2) & 0x8C8C8C8Cu) | ((w >> 2) & 0x10101010u);
+}
+
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"((int)kAccumulate));
+}
+
+/* Warp w's 4 units through its warpgroup as wgmma_chunk, each unit one e4m3 wgmma; the sums scaled by the
+ * weight scales of rows g, g + 8 times the x scales of columns 2t, 2t + 1. */
+__device__ __forceinline__ void wgmma8_chunk(uint32_t stage, uint32_t xc, uint32_t x_scales, const UnitOffsets &o,
+                                             uint64_t *empty, float (&acc)[4]) {
+  const int k_slot = threadIdx.x >> 7, column = 2 * (threadIdx.x & 3);
+  uint2 w[4];
+  uint32_t sw[4], sx[4], a[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    w[j] = lds64(stage + o.weights + j * 4 * kUnitWeightBytes);
+    sw[j] = lds16(stage + o.scales + j * 4 * kUnitScaleBytes);
+    sx[j] = lds16(x_scales + (k_slot + 4 * j) * kGroupTokens + column);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    decode_fp4x8_e4m3(w[j].x, a[j][0], a[j][1]);
+    decode_fp4x8_e4m3(w[j].y, a[j][2], a[j][3]);
+  }
+  float d[4][4];
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    wgmma_rs_e4m3<false>(d[j], a[j], kmajor_desc(xc + (k_slot + 4 * j) * kWgmma8BlockBytes));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory"); /* the sums read after the wait */
+  mbar_arrive(empty);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
+    const float x0 = e8m0_to_float_nonzero(sx[j] & 0xFFu), x1 = e8m0_to_float_nonzero(sx[j] >> 8);
+    acc[0] = fmaf(d[j][0], ws.x * x0, acc[0]);
+    acc[1] = fmaf(d[j][1], ws.x * x1, acc[1]);
+    acc[2] = fmaf(d[j][2], ws.y * x0, acc[2]);
+    acc[3] = fmaf(d[j][3], ws.y * x1, acc[3]);
+  }
+}
+
 template <int kVariant, bool kBroadcastX>
 __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source, unsigned long long *cycles,
                                                            float *sink) {
@@ -254,20 +343,23 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr bool kHalf = kVariant == kHalfWarps, kStream = kVariant == kStreamOnly || kVariant == kStreamOneWarp;
   constexpr int kMmaWarps = kVariant == kStreamOneWarp ? 1 : kHalf ? kConsumerWarps / 2 : kConsumerWarps;
-  constexpr bool kWideHbmAny =
-      kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm || kVariant == kWide16Hbm;
+  constexpr bool kWideHbmAny = kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm ||
+                               kVariant == kWide3Hbm6 || kVariant == kWide16Hbm;
   constexpr bool kKMajorWide = kVariant == kWideKMajor || kVariant == kWideKMajorHbm;
   constexpr bool kWide = kWideHbmAny || kKMajorWide || kVariant == kWideL2 || kVariant == kWideScales ||
                          kVariant == kWideNoX || kVariant == kWideTwoCols;
-  constexpr int kXRows = kVariant == kWide3Hbm ? 3 : kGroupTokens; /* x rows copied into each stage */
+  constexpr int kXRows = kVariant == kWide3Hbm || kVariant == kWide3Hbm6 ? 3 : kGroupTokens; /* x rows a stage */
+  constexpr int kRing = ring_stages(kVariant);
   constexpr bool kXCopies = kWide && kVariant != kWideNoX;
   constexpr bool kWgmmaAny = kVariant == kWgmma || kVariant == kWgmmaHbm;
-  constexpr bool kCopies =
-      kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kWgmmaHbm || kStream || kWide;
+  constexpr bool kWgmma8Any = kVariant == kWgmma8 || kVariant == kWgmma8Hbm;
+  constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kCopiesHbm6 ||
+                           kVariant == kWgmmaHbm || kVariant == kWgmma8Hbm || kVariant == kNoMmaHbm || kStream ||
+                           kWide;
   constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && !kWideHbmAny);
   /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
   uint32_t *words = reinterpret_cast<uint32_t *>(smem);
-  const int stage_words = kStages * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
+  const int stage_words = kRing * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
   for (int i = threadIdx.x; i < stage_words + x_words; i += blockDim.x) {
     uint32_t h = (uint32_t)i * 2654435761u ^ blockIdx.x * 97u;
     h ^= h >> 13;
@@ -275,24 +367,28 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
   }
   constexpr int kFullArrivals = kXCopies ? 2 : 1;
-  __shared__ uint64_t empty[kStages], full[kStages];
-  if (threadIdx.x < kStages) {
+  __shared__ uint64_t empty[kMaxRing], full[kMaxRing];
+  if (threadIdx.x < kRing) {
     mbar_init(&empty[threadIdx.x], kMmaWarps * 32);
     /* main + waits: never arrived, so a wait on parity 1 passes at once; wide: the activation warp arrives too */
     mbar_init(&full[threadIdx.x], kFullArrivals);
   }
   fence_barrier_init();
   __syncthreads();
-  uint8_t *const x_rows = smem + kStages * kStageBytes;
+  uint8_t *const x_rows = smem + kRing * kStageBytes;
   uint8_t *const xc = x_rows + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 128;
   if (kWgmmaAny) {
     build_wgmma_x(x_rows, xc);
     __syncthreads();
   }
+  if (kWgmma8Any) {
+    build_wgmma8_x(xc);
+    __syncthreads();
+  }
   constexpr int kActBytes = kFc1ChunkKb * kActBlockBytes; /* a token row of one chunk */
   if (kXCopies && warp == kActivationWarp) { /* the activation producer: a stage's 8 token rows */
     RingPos pos;
-    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
+    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kRing)) {
       mbar_wait(&empty[pos.stage], pos.parity ^ 1);
       if (lane == 0) mbar_arrive_expect_tx(&full[pos.stage], kXRows * kActBytes);
       __syncwarp(); /* the bytes are expected before any can land */
@@ -306,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   if (kCopies && warp == kWeightWarp) { /* the kernel's weight producer: one bulk copy a stage */
     if (lane != 0) return;
     RingPos pos;
-    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kStages)) {
+    for (int c = 0; c < kProbeChunks; ++c, pos.advance(kRing)) {
       const int chunk = kFromL2 ? c % kSharedSourceChunks : blockIdx.x * kOwnSourceChunks + c % kOwnSourceChunks;
       mbar_wait(&empty[pos.stage], pos.parity ^ 1);
       mbar_arrive_expect_tx(&full[pos.stage], kProbeChunkBytes);
@@ -316,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
     return;
   }
   if (warp >= kMmaWarps) return;
-  const uint32_t stages = smem_addr(smem), x_local = stages + kStages * kStageBytes;
+  const uint32_t stages = smem_addr(smem), x_local = stages + kRing * kStageBytes;
   const uint32_t released = x_local + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread; /* consume_units' */
   const int x_row = kBroadcastX ? 0 : lane >> 2;
   /* the kernel's FC1 plan (consumer_plan): strip = warp % 4, k-slot = warp / 4; k-major: k-block = warp */
@@ -333,10 +429,10 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   const unsigned long long ns0 = global_ns();
 #pragma unroll 1
   for (int c = 0; c < kProbeChunks; ++c) {
-    const int s = c & (kStages - 1);
+    const int s = c % kRing;
     const uint32_t stage = stages + s * kStageBytes, x = x_local + s * kFc1ChunkKb * kActBlockBytes;
     if constexpr (kVariant == kMainWait) mbar_wait(&full[s], 1);
-    if constexpr (kCopies) mbar_wait(&full[s], (c / kStages) & 1);
+    if constexpr (kCopies) mbar_wait(&full[s], (c / kRing) & 1);
     if constexpr (kStream) {
       mbar_arrive(&empty[s]);
       continue;
@@ -348,10 +444,15 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
                    16 * (lane & 3), o, &empty[s], acc);
     else if constexpr (kWide)
       consume_units<4, 4, false, kVariant == kWideTwoCols>(stage, stage, o, 0, released, &empty[s], acc[0]);
+    else if constexpr (kVariant == kNoMmaHbm)
+      probe_chunk<kNoMma, false, false, false>(stage, x, o, &empty[s], acc);
     else if constexpr (kVariant == kMain || kVariant == kMainWait || kCopies)
       consume_units<4, 4, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
     else if constexpr (kWgmmaAny)
       wgmma_chunk(stage, smem_addr(xc) + s * kWgmmaChunkBytes, o, &empty[s], acc[0]);
+    else if constexpr (kWgmma8Any)
+      wgmma8_chunk(stage, smem_addr(xc) + s * kWgmma8ChunkBytes,
+                   smem_addr(xc) + kWgmma8ScaleOffset + s * kWgmma8ChunkScales, o, &empty[s], acc[0]);
     else if constexpr (kHalf)
       consume_units<8, 2, false, true>(stage, x, o, 0, released, &empty[s], acc[0]);
     else
@@ -516,6 +617,21 @@ static double wgmma_against_main(int grid, size_t smem_bytes, const uint8_t *sou
   return worst;
 }
 
+/* The e4m3 wgmma's sums (x 8 rows): how many of them are finite and how many nonzero, of n. */
+static void wgmma8_sums(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles,
+                        float *d_sink) {
+  const size_t n = 2 * (size_t)grid * kConsumerThreads;
+  std::vector<float> sums(n);
+  pace<kWgmma8, false>(grid, smem_bytes, source, d_cycles, d_sink);
+  CHECK(cudaMemcpy(sums.data(), d_sink, n * sizeof(float), cudaMemcpyDeviceToHost));
+  size_t finite = 0, nonzero = 0;
+  for (float v : sums) {
+    finite += std::isfinite(v);
+    nonzero += v != 0.0f;
+  }
+  printf("wgmma e4m3's sums: %zu of %zu finite, %zu nonzero\n", finite, n, nonzero);
+}
+
 /* Every variant, in the order of Variant. */
 template <bool kBroadcastX, int... kVariant>
 void measure(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
@@ -528,7 +644,7 @@ template <int... kVariant>
 using Seq = std::integer_sequence<int, kVariant...>;
 using SustainedVariants = Seq<kMain, kKMajor, kOneMask, kNoMma, kWgmma, kWideL2, kWideKMajor, kWideNoX, kWideTwoCols,
                               kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm, kWideKMajorHbm, kWide3Hbm,
-                              kWide16Hbm>;
+                              kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6>;
 
 template <int... kVariant>
 void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
@@ -594,8 +710,9 @@ int main(int argc, char **argv) {
     }
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  /* the ring, x's rows, then wgmma's x (4-stage variants) or the deeper ring's stages */
   const size_t smem_bytes = kStages * kStageBytes + kGroupTokens * local_x_pitch(kProbeHidden) + kLocalXOverread + 128 +
-                            kStages * kWgmmaChunkBytes;
+                            std::max(kStages * kWgmmaChunkBytes, (kMaxRing - kStages) * kStageBytes);
   Dev cycles(warp_words(sms) * sizeof(unsigned long long)),
       sink(2 * (size_t)sms * kConsumerThreads * sizeof(float));
   /* the copies' source: hashed words whose FP4 codes are positive, scales at most 2^-8, f16 finite;
@@ -621,6 +738,7 @@ int main(int argc, char **argv) {
            broadcast[v].ghz);
   printf("wgmma's MMA column 0 sums against main's (x 8 rows): largest relative difference %.3g\n",
          wgmma_against_main(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>()));
+  wgmma8_sums(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>());
   if (sustain_s > 0)
     sustained_table(sms, smem_bytes, source.as<uint8_t>(), cycles.as<unsigned long long>(), sink.as<float>(),
                     sustain_s, only, SustainedVariants());
