@@ -187,6 +187,14 @@ int64_t kx_dlpack_stream(uintptr_t stream) {
   return stream == 0 ? 1 : (int64_t)stream;
 }
 
+int kx_arg_inputs_stream(PyObject *inputs_on_stream, uintptr_t stream, int64_t *dlstream) {
+  int on_stream = 0;
+  if (inputs_on_stream != NULL && kx_arg_bool(inputs_on_stream, "inputs_on_stream", &on_stream) < 0)
+    return -1;
+  *dlstream = on_stream ? -1 : kx_dlpack_stream(stream);
+  return 0;
+}
+
 int kx_raise_from(PyObject *type, const char *fmt, ...) {
   PyObject *cause = NULL;
 #if PY_VERSION_HEX >= 0x030C0000

@@ -432,15 +432,18 @@ static int check_fault(kx_state *st, kx_experts *self, uintptr_t stream) {
 static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *args,
                              Py_ssize_t nargs, PyObject *kwnames) {
   kx_experts *self = (kx_experts *)op;
-  static const char *const names[] = {"x", "ids", "weights", "stream", "validate", NULL};
+  static const char *const names[] = {"x", "ids", "weights", "stream", "validate",
+                                      "inputs_on_stream", NULL};
   static const kx_argspec spec = {"run", names, 3, 2};
-  PyObject *v[5];
+  PyObject *v[6];
   if (kx_parse_fast(&spec, args, nargs, kwnames, v) < 0) return NULL;
   kx_state *st = state_of(cls);
   uintptr_t stream = 0;
+  int64_t dlstream = 0; /* only CUDA producers see it */
   int validate = 0;
   if (kx_arg_stream(v[3], "stream", &stream) < 0 ||
-      (v[4] != NULL && kx_arg_bool(v[4], "validate", &validate) < 0))
+      (v[4] != NULL && kx_arg_bool(v[4], "validate", &validate) < 0) ||
+      kx_arg_inputs_stream(v[5], stream, &dlstream) < 0)
     return NULL;
   if (!self->prepared) {
     PyErr_SetString(PyExc_RuntimeError,
@@ -462,7 +465,6 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
     return NULL;
   }
 
-  const int64_t dlstream = kx_dlpack_stream(stream); /* only CUDA producers see it */
   const int64_t x_shape[2] = {self->batch, self->desc.hidden};
   const int64_t k_shape[2] = {self->batch, self->desc.top_k};
   kx_tensor x = {0}, ids = {0}, w = {0};
@@ -624,7 +626,7 @@ static PyMethodDef experts_methods[] = {
     {"prepare", KX_METHOD(experts_prepare), KX_METHOD_FLAGS,
      PyDoc_STR("prepare(batch, scratch, out, *, combine=False)")},
     {"run", KX_METHOD(experts_run), KX_METHOD_FLAGS,
-     PyDoc_STR("run(x, ids, weights=None, *, stream=0, validate=False) -> out")},
+     PyDoc_STR("run(x, ids, weights=None, *, stream=0, validate=False, inputs_on_stream=False) -> out")},
     {"check", KX_METHOD(experts_check), KX_METHOD_FLAGS,
      PyDoc_STR("check(*, stream=None): raise BadRoutingError for the first bad id")},
     {NULL, NULL, 0, NULL},

@@ -216,18 +216,19 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
 static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames) {
   kx_wsgemm *self = (kx_wsgemm *)op;
-  static const char *const names[] = {"x", "stream", NULL};
+  static const char *const names[] = {"x", "stream", "inputs_on_stream", NULL};
   static const kx_argspec spec = {"run", names, 1, 1};
-  PyObject *v[2];
+  PyObject *v[3];
   if (kx_parse_fast(&spec, args, nargs, kwnames, v) < 0) return NULL;
   uintptr_t stream = 0;
-  if (kx_arg_stream(v[1], "stream", &stream) < 0) return NULL;
+  int64_t dlstream = 0; /* only CUDA producers see it */
+  if (kx_arg_stream(v[1], "stream", &stream) < 0 || kx_arg_inputs_stream(v[2], stream, &dlstream) < 0)
+    return NULL;
   if (!self->prepared) {
     PyErr_SetString(PyExc_RuntimeError, "run(): this WsGemm has no prepared m; call prepare() first");
     return NULL;
   }
   const int64_t x_shape[2] = {self->m, self->k};
-  const int64_t dlstream = kx_dlpack_stream(stream); /* only CUDA producers see it */
   kx_tensor x;
   if (kx_tensor_import(v[0], "x", dlstream, &x) < 0) return NULL;
   if (kx_check_device(&x, "x", self->device) < 0 ||
@@ -328,7 +329,7 @@ static PyMethodDef gemm_methods[] = {
     {"prepare", KX_METHOD(gemm_prepare), KX_METHOD_FLAGS,
      PyDoc_STR("prepare(m, out=None, *, logits=None, latent=None)")},
     {"run", KX_METHOD(gemm_run), KX_METHOD_FLAGS,
-     PyDoc_STR("run(x, *, stream=0) -> out, or (logits, latent)")},
+     PyDoc_STR("run(x, *, stream=0, inputs_on_stream=False) -> out, or (logits, latent)")},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,7 +6,7 @@ and documents the API.
 
 from __future__ import annotations
 
-from ._util import _C, resolve_stream
+from ._util import _C, resolve_run_stream, resolve_stream
 
 Scratch = _C.Scratch
 
@@ -146,9 +146,11 @@ class PersistentExperts(_C.Experts):
         CudaError
             A CUDA launch failed.
         """
+        on_stream = False
         if self.device != "cpu":
-            stream = resolve_stream(stream, x)
-        return super().run(x, ids, weights, stream=stream, validate=validate)
+            stream, on_stream = resolve_run_stream(stream, x, ids, weights)
+        return super().run(x, ids, weights, stream=stream, validate=validate,
+                           inputs_on_stream=on_stream)
 
     def check(self, *, stream=None) -> None:
         """Raise BadRoutingError for the first out-of-range id since the last check.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._util import _C, resolve_stream
+from ._util import _C, resolve_run_stream
 
 
 class WsGemm(_C.WsGemm):
@@ -79,6 +79,7 @@ class WsGemm(_C.WsGemm):
         -------
         ``out``, or the tuple ``(logits, latent)``, as given to prepare().
         """
+        on_stream = False
         if self.device != "cpu":
-            stream = resolve_stream(stream, x)
-        return super().run(x, stream=stream)
+            stream, on_stream = resolve_run_stream(stream, x)
+        return super().run(x, stream=stream, inputs_on_stream=on_stream)

@@ -75,6 +75,50 @@ def test_dlpack_only_objects(kx, weights, layer):
     check_close(out, layer.reference(x, ids, rw), f"__dlpack__-only inputs B={B} seed={seed}")
 
 
+class ClaimsCuda(OnlyDLPack):
+    """Says it lives on CUDA, so run() hands its __dlpack__ a stream, which it records; the
+    capsule it returns is its CPU tensor's, so the CPU backend runs on it."""
+
+    def __init__(self, arr):
+        super().__init__(arr)
+        self.streams = []
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        self.streams.append(stream)
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+
+def test_run_asks_cuda_producers_for_its_stream(kx, layer):
+    """DLPack's stream argument: the run's stream (the legacy default 0 spelled 1), or -1 (no
+    synchronization) when inputs_on_stream says the inputs are ordered on it already, as the
+    Python layer says when it resolved the stream to the inputs' own PyTorch current stream."""
+    B = 2
+    seed = seed_of("dl-streams")
+    x, ids = make_x(B, H, seed), make_ids(B, K, E, seed)
+    want = layer.run(x, ids).clone()
+    out = torch.empty((B * K, H), dtype=torch.bfloat16)
+    moe = layer.moe
+    moe.prepare(B, kx.scratch(moe), out)
+    for kwargs, asked in [({"stream": 7}, 7), ({"stream": 0}, 1),
+                          ({"stream": 7, "inputs_on_stream": False}, 7),
+                          ({"stream": 7, "inputs_on_stream": True}, -1)]:
+        xr, idsr = ClaimsCuda(x), ClaimsCuda(ids)
+        poison_(out)
+        kx._C.Experts.run(moe, xr, idsr, **kwargs)
+        assert xr.streams == [asked] and idsr.streams == [asked], (kwargs, xr.streams, idsr.streams)
+        assert bitwise_equal(out, want), f"run({kwargs}) differs"
+    gemm = kx.WsGemm(torch.randn(64, H).to(torch.bfloat16))
+    y = torch.empty((1, 64), dtype=torch.bfloat16)
+    gemm.prepare(1, y)
+    xg = ClaimsCuda(make_x(1, H, seed))
+    kx._C.WsGemm.run(gemm, xg, stream=5, inputs_on_stream=True)
+    kx._C.WsGemm.run(gemm, xg, stream=5)
+    assert xg.streams == [-1, 5], xg.streams
+
+
 @pytest.mark.parametrize("B", [1, 4, 9])
 def test_x_row_slice_of_wider_buffer(layer, B):
     """x as rows [2, 2+B) and columns [64, 64+H) of a wider buffer: row stride H+192,

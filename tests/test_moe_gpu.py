@@ -608,6 +608,13 @@ def test_streams(kx, gpu_layers):
     layer.moe.run(x, ids, stream=s.cuda_stream)  # an int handle
     s.synchronize()
     assert bitwise_equal(out, want), "run(stream=int) differs"
+    poison_(out)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):  # inputs written by kernels just enqueued on the run's stream,
+        x_new, ids_new = x.clone(), ids.clone()  # which torch is not asked to order (DLPack -1)
+        layer.moe.run(x_new, ids_new)
+    s.synchronize()
+    assert bitwise_equal(out, want), "run on inputs just written on its stream differs"
 
 
 # --------------------------------------------------------------------------- determinism
