@@ -10,6 +10,8 @@ and PyTorch sees the device, else on the C CPU backend. The result is checked ag
 kimi_experts.reference (PyTorch, float64) when PyTorch is importable, else against a
 NumPy recomputation of a few rows; then the median time per call and the effective
 weight bandwidth (bytes of the distinct experts' weights + scales / time) are printed.
+On the GPU a call is timed as serving runs it, replayed from a CUDA graph (of 10 calls),
+and the host time of one eager run() call is printed beside it.
 """
 
 from __future__ import annotations
@@ -99,12 +101,43 @@ def numpy_check(w13, s13, w2, s2, x_bits, ids, out_bits, rows, s):
     return (num / den) ** 0.5 if den > 0 else num ** 0.5
 
 
+GRAPH_CALLS = 10
+
+
+def capture_calls(torch, fn, calls: int):
+    """A CUDA graph of ``calls`` back-to-back fn() (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def eager_host_us(torch, fn, calls: int = 100) -> float:
+    """Host time of one eager fn() in microseconds: ``calls`` back to back, fewer than the
+    launch queue holds, so the CPU thread never waits for the GPU."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kimi_experts.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=1, help="tokens per call (default 1)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--iters", type=int, default=0,
-                   help="timed calls (default: 50 on the GPU, 5 on the CPU)")
+                   help="timed graph replays on the GPU (default 50), calls on the CPU (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the reference check")
     args = p.parse_args(argv)
@@ -184,15 +217,15 @@ def main(argv=None) -> int:
     iters = args.iters or (50 if device == "cuda" else 5)
     times = []
     if device == "cuda":
+        graph = capture_calls(torch, lambda: moe.run(x, ids_t), GRAPH_CALLS)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            moe.run(x, ids_t)
         for _ in range(iters):
             start.record()
-            moe.run(x, ids_t)
+            graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
+            times.append(start.elapsed_time(end) * 1e-3 / GRAPH_CALLS)
+        host_us = eager_host_us(torch, lambda: moe.run(x, ids_t))
     else:
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -201,10 +234,14 @@ def main(argv=None) -> int:
     t = statistics.median(times)
     distinct = len(np.unique(ids))
     nbytes = distinct * expert_bytes(H, I)
-    print(f"time per call: {t * 1e6:,.1f} us (median of {iters}); {distinct} distinct experts "
+    how = (f"CUDA graph of {GRAPH_CALLS} calls, median of {iters} replays" if device == "cuda"
+           else f"median of {iters}")
+    print(f"time per call: {t * 1e6:,.1f} us ({how}); {distinct} distinct experts "
           f"= {nbytes / 1e6:.1f} MB of weights + scales -> {nbytes / t / 1e9:,.1f} GB/s "
           "effective weight bandwidth")
     if device == "cuda":
+        print(f"host time of one eager run() call: {host_us:,.1f} us (what a caller outside a "
+              "CUDA graph pays on its CPU thread)")
         print("note: repeated calls may be served from L2 (50 MB on H200); "
               "benchmarks/bench_experts.py rotates weights across layers for the HBM number")
     return 0 if ok else 1
