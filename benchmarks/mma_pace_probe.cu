@@ -51,6 +51,7 @@
  *   copies HBM 6 st, wide 3 rows 6 st  "copies from HBM" and "wide 3 rows HBM" with a ring of 6 stages
  *                   instead of 4: whether the rate at the cap is the bytes in flight (Little's law) or a
  *                   path that runs at the capped clock
+ *   copies HBM 3 st, wide 3 rows 3 st  the same with 3 stages
  * each with x's fragments from 8 token rows (launches of several tokens) or all lanes reading
  * row 0 (a one-token launch's broadcast; wgmma reads 8 rows in both).
  * With --sustain S, a second table: each of a few variants (--only: those of these indices in Variant)
@@ -81,20 +82,24 @@ namespace {
 enum Variant {
   kMain, kMainWait, kOneMask, kNoMma, kHalfWarps, kKMajor, kCopiesL2, kCopiesHbm,
   kWideHbm, kWideL2, kWideScales, kWideKMajor, kWideNoX, kWideTwoCols, kWgmma, kWgmmaHbm, kStreamOnly, kStreamOneWarp,
-  kWideKMajorHbm, kWide3Hbm, kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6, kVariants
+  kWideKMajorHbm, kWide3Hbm, kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6, kCopiesHbm3, kWide3Hbm3, kVariants
 };
 const char *const kVariantNames[kVariants] = {
     "main",          "main + waits",   "decode = mask",   "no decode/MMA", "8 MMA warps",        "k-major",
     "copies from L2", "copies from HBM", "wide from HBM", "wide from L2",  "wide, 1 scale load", "wide, k-major",
     "wide, no x copy", "wide, 2 columns", "wgmma",         "wgmma from HBM", "stream only",  "stream, 1 warp",
     "wide k-maj HBM", "wide 3 rows HBM", "wide 16 tok HBM", "wgmma e4m3",   "wgmma e4m3 HBM",
-    "no math HBM",   "copies HBM 6 st", "wide 3 rows 6 st"};
+    "no math HBM",   "copies HBM 6 st", "wide 3 rows 6 st", "copies HBM 3 st", "wide 3 rows 3 st"};
 constexpr int kProbeHidden = 3584; /* k3-tp8's H: local x's row pitch */
 constexpr int kProbeChunks = 2000;
 constexpr uint32_t kProbeChunkBytes = kUnitsPerChunk * kUnitBytes; /* a full FC1 chunk, 17 KB */
 constexpr int kSharedSourceChunks = 8, kOwnSourceChunks = 64;
 constexpr int kMaxRing = 6;
-__host__ __device__ constexpr int ring_stages(int variant) { return variant == kCopiesHbm6 || variant == kWide3Hbm6 ? kMaxRing : kStages; }
+__host__ __device__ constexpr int ring_stages(int variant) {
+  return variant == kCopiesHbm6 || variant == kWide3Hbm6 ? kMaxRing
+         : variant == kCopiesHbm3 || variant == kWide3Hbm3 ? 3
+                                                            : kStages;
+}
 
 /* One unit's two MMAs (or their stand-in) into d. */
 template <int kVariant>
@@ -343,17 +348,18 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr bool kHalf = kVariant == kHalfWarps, kStream = kVariant == kStreamOnly || kVariant == kStreamOneWarp;
   constexpr int kMmaWarps = kVariant == kStreamOneWarp ? 1 : kHalf ? kConsumerWarps / 2 : kConsumerWarps;
-  constexpr bool kWideHbmAny = kVariant == kWideHbm || kVariant == kWideKMajorHbm || kVariant == kWide3Hbm ||
-                               kVariant == kWide3Hbm6 || kVariant == kWide16Hbm;
+  constexpr bool kWide3 = kVariant == kWide3Hbm || kVariant == kWide3Hbm6 || kVariant == kWide3Hbm3;
+  constexpr bool kWideHbmAny = kVariant == kWideHbm || kVariant == kWideKMajorHbm || kWide3 || kVariant == kWide16Hbm;
   constexpr bool kKMajorWide = kVariant == kWideKMajor || kVariant == kWideKMajorHbm;
   constexpr bool kWide = kWideHbmAny || kKMajorWide || kVariant == kWideL2 || kVariant == kWideScales ||
                          kVariant == kWideNoX || kVariant == kWideTwoCols;
-  constexpr int kXRows = kVariant == kWide3Hbm || kVariant == kWide3Hbm6 ? 3 : kGroupTokens; /* x rows a stage */
+  constexpr int kXRows = kWide3 ? 3 : kGroupTokens; /* x rows copied into each stage */
   constexpr int kRing = ring_stages(kVariant);
   constexpr bool kXCopies = kWide && kVariant != kWideNoX;
   constexpr bool kWgmmaAny = kVariant == kWgmma || kVariant == kWgmmaHbm;
   constexpr bool kWgmma8Any = kVariant == kWgmma8 || kVariant == kWgmma8Hbm;
   constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kCopiesHbm6 ||
+                           kVariant == kCopiesHbm3 ||
                            kVariant == kWgmmaHbm || kVariant == kWgmma8Hbm || kVariant == kNoMmaHbm || kStream ||
                            kWide;
   constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && !kWideHbmAny);
@@ -644,7 +650,8 @@ template <int... kVariant>
 using Seq = std::integer_sequence<int, kVariant...>;
 using SustainedVariants = Seq<kMain, kKMajor, kOneMask, kNoMma, kWgmma, kWideL2, kWideKMajor, kWideNoX, kWideTwoCols,
                               kStreamOnly, kStreamOneWarp, kCopiesHbm, kWgmmaHbm, kWideHbm, kWideKMajorHbm, kWide3Hbm,
-                              kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6>;
+                              kWide16Hbm, kWgmma8, kWgmma8Hbm, kNoMmaHbm, kCopiesHbm6, kWide3Hbm6, kCopiesHbm3,
+                              kWide3Hbm3>;
 
 template <int... kVariant>
 void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigned long long *d_cycles, float *d_sink,
