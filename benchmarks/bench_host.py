@@ -85,7 +85,7 @@ def main() -> int:
     gemm.prepare(1, yg)
     rows.append({"what": f"WsGemm.run N={n} K={k} M=1", "us": timed(lambda: gemm.run(xg))})
 
-    handle = torch.cuda.current_stream().cuda_stream
+    handle = torch.cuda.current_stream().cuda_stream or 1  # DLPack spells the legacy default 1
     rows.append({"what": "torch.cuda.current_stream()", "us": timed(torch.cuda.current_stream)})
     rows.append({"what": "x.__dlpack_device__()", "us": timed(x.__dlpack_device__)})
     rows.append({"what": "x.__dlpack__(stream=current)",
@@ -93,9 +93,10 @@ def main() -> int:
     rows.append({"what": "x.__dlpack__(stream=-1)",
                  "us": timed(lambda: x.__dlpack__(stream=-1, max_version=(1, 0)))})
 
-    write_json(args.out, rows, calls=args.calls, rounds=args.rounds, torch=torch.__version__)
-    print(f"host time per call, median of {args.rounds} rounds of {args.calls} calls; "
-          f"written to {args.out}")
+    write_json(args.out, rows, calls=args.calls, rounds=args.rounds, torch=torch.__version__,
+               kimi_experts=os.path.dirname(kx.__file__))
+    print(f"kimi_experts from {os.path.dirname(kx.__file__)}; host time per call, median of "
+          f"{args.rounds} rounds of {args.calls} calls; written to {args.out}")
     print_table(rows, ["what", "us"])
     return 0
 
