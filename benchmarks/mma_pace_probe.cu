@@ -194,6 +194,17 @@ __device__ __forceinline__ void wgmma_rs_f16(float (&d)[4], const uint32_t (&a)[
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"((int)kAccumulate));
 }
 
+/* The chunk's wgmmas committed and waited for, their sums read only after the wait, then the stage
+ * released. */
+__device__ __forceinline__ void wgmma_settle(float (&d)[4][4], uint64_t *empty) {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+  mbar_arrive(empty);
+}
+
 /* Warp w's 4 units as consume_units lays them out, through its warpgroup (k-slot w / 4, strips w % 4): each
  * unit's two MMAs as two wgmmas, one commit and wait a chunk, the stage released after the wait. */
 __device__ __forceinline__ void wgmma_chunk(uint32_t stage, uint32_t xc, const UnitOffsets &o, uint64_t *empty,
@@ -219,12 +230,7 @@ __device__ __forceinline__ void wgmma_chunk(uint32_t stage, uint32_t xc, const U
     wgmma_rs_f16<false>(d[j], a[j][0], kmajor_desc(b));
     wgmma_rs_f16<true>(d[j], a[j][1], kmajor_desc(b + kWgmmaHalfBytes));
   }
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory"); /* the sums read after the wait */
-  mbar_arrive(empty);
+  wgmma_settle(d, empty);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
@@ -324,12 +330,7 @@ __device__ __forceinline__ void wgmma8_chunk(uint32_t stage, uint32_t xc, uint32
 #pragma unroll
   for (int j = 0; j < 4; ++j)
     wgmma_rs_e4m3<false>(d[j], a[j], kmajor_desc(xc + (k_slot + 4 * j) * kWgmma8BlockBytes));
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory"); /* the sums read after the wait */
-  mbar_arrive(empty);
+  wgmma_settle(d, empty);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 ws = unit_weight_scales(sw[j]); /* rows g and g + 8 */
