@@ -626,7 +626,8 @@ static PyMethodDef experts_methods[] = {
     {"prepare", KX_METHOD(experts_prepare), KX_METHOD_FLAGS,
      PyDoc_STR("prepare(batch, scratch, out, *, combine=False)")},
     {"run", KX_METHOD(experts_run), KX_METHOD_FLAGS,
-     PyDoc_STR("run(x, ids, weights=None, *, stream=0, validate=False, inputs_on_stream=False) -> out")},
+     PyDoc_STR("run(x, ids, weights=None, *, stream=0, validate=False, "
+               "inputs_on_stream=False) -> out")},
     {"check", KX_METHOD(experts_check), KX_METHOD_FLAGS,
      PyDoc_STR("check(*, stream=None): raise BadRoutingError for the first bad id")},
     {NULL, NULL, 0, NULL},

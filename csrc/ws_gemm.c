@@ -222,7 +222,8 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (kx_parse_fast(&spec, args, nargs, kwnames, v) < 0) return NULL;
   uintptr_t stream = 0;
   int64_t dlstream = 0; /* only CUDA producers see it */
-  if (kx_arg_stream(v[1], "stream", &stream) < 0 || kx_arg_inputs_stream(v[2], stream, &dlstream) < 0)
+  if (kx_arg_stream(v[1], "stream", &stream) < 0 ||
+      kx_arg_inputs_stream(v[2], stream, &dlstream) < 0)
     return NULL;
   if (!self->prepared) {
     PyErr_SetString(PyExc_RuntimeError, "run(): this WsGemm has no prepared m; call prepare() first");
