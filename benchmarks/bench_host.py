@@ -5,7 +5,8 @@
 A decode step captured in a CUDA graph never pays this; an eager caller pays it every call,
 and when it exceeds the kernel's time the GPU waits for the host. Each row times --calls
 calls back to back with no synchronization inside (far fewer than the launch queue holds,
-so the host never waits for the GPU), --rounds times, and reports the median per call:
+so the host never waits for the GPU), --rounds times, and reports the median per call
+(kimi_experts.demo.eager_host_us, which the demo's one round uses too):
 - PersistentExperts.run at k3-tp8, B = 1 and 64, the stream left to the library (PyTorch's
   current stream) and given as an int handle;
 - WsGemm.run at N = 4096, K = 7168, M = 1;
@@ -18,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, random_mxfp4_layer, routed_ids, write_json  # noqa: E402
@@ -28,20 +27,6 @@ from common import print_table, random_mxfp4_layer, routed_ids, write_json  # no
 RECORD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "host-h200.json")
 K3_TP8 = dict(hidden=3584, inter=384, experts=384, top_k=16)
 GEMM_NK = (4096, 7168)
-
-
-def host_us(torch, fn, calls: int, rounds: int) -> float:
-    """Median over ``rounds`` of the host time per call of ``calls`` back-to-back ``fn()``."""
-    fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
 
 
 def main() -> int:
@@ -55,11 +40,16 @@ def main() -> int:
 
     import torch
     import kimi_experts as kx
+    from kimi_experts.demo import eager_host_us
 
     if not torch.cuda.is_available():
         print("bench_host: no CUDA device; nothing to time")
         return 1
-    timed = lambda fn: host_us(torch, fn, args.calls, args.rounds)  # noqa: E731
+
+    def timed(fn) -> float:
+        fn()  # the first call (lazy set-up) stays out of the timing
+        return eager_host_us(torch, fn, args.calls, args.rounds)
+
     gen, gen_cpu = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
     s = K3_TP8
     w13, s13, w2, s2 = random_mxfp4_layer(torch, s["experts"], s["hidden"], s["inter"], seed=0)

@@ -120,16 +120,19 @@ def capture_calls(torch, fn, calls: int):
     return graph
 
 
-def eager_host_us(torch, fn, calls: int = 100) -> float:
-    """Host time of one eager fn() in microseconds: ``calls`` back to back, fewer than the
-    launch queue holds, so the CPU thread never waits for the GPU."""
+def eager_host_us(torch, fn, calls: int = 100, rounds: int = 1) -> float:
+    """Host time of one eager fn() in microseconds, the median over ``rounds`` of ``calls``
+    back to back: fewer than the launch queue holds, so the CPU thread never waits for the
+    GPU (benchmarks/bench_host.py uses it too)."""
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return statistics.median(per_call)
 
 
 def main(argv=None) -> int:
