@@ -101,6 +101,12 @@ __host__ __device__ constexpr int ring_stages(int variant) {
                                                             : kStages;
 }
 
+/* The probe's random words: a Knuth-multiplied index, its bits mixed (murmur's step). */
+__device__ __forceinline__ uint32_t mix_bits(uint32_t h) {
+  h ^= h >> 13;
+  return h * 0x5bd1e995u;
+}
+
 /* One unit's two MMAs (or their stand-in) into d. */
 template <int kVariant>
 __device__ __forceinline__ void unit_products(uint2 w, uint4 b, float (&d)[4]) {
@@ -284,9 +290,7 @@ static_assert(kWgmma8ScaleOffset + kStages * kWgmma8ChunkScales <= kStages * kWg
 __device__ void build_wgmma8_x(uint8_t *xc) {
   uint32_t *words = reinterpret_cast<uint32_t *>(xc);
   for (int i = threadIdx.x; i < (kWgmma8ScaleOffset + kStages * kWgmma8ChunkScales) / 4; i += blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
+    const uint32_t h = mix_bits((uint32_t)i * 2654435761u);
     words[i] = i < kWgmma8ScaleOffset / 4 ? h & 0x77777777u : 0x78787878u | (h & 0x03030303u);
   }
 }
@@ -360,17 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1) pace_kernel(const uint8_t *source
   constexpr bool kWgmmaAny = kVariant == kWgmma || kVariant == kWgmmaHbm;
   constexpr bool kWgmma8Any = kVariant == kWgmma8 || kVariant == kWgmma8Hbm;
   constexpr bool kCopies = kVariant == kCopiesL2 || kVariant == kCopiesHbm || kVariant == kCopiesHbm6 ||
-                           kVariant == kCopiesHbm3 ||
-                           kVariant == kWgmmaHbm || kVariant == kWgmma8Hbm || kVariant == kNoMmaHbm || kStream ||
-                           kWide;
+                           kVariant == kCopiesHbm3 || kVariant == kWgmmaHbm || kVariant == kWgmma8Hbm ||
+                           kVariant == kNoMmaHbm || kStream || kWide;
   constexpr bool kFromL2 = kVariant == kCopiesL2 || (kWide && !kWideHbmAny);
-  /* 4 stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
+  /* the ring's stages of words whose scale bytes stay below 0xFF, then x as finite f16 */
   uint32_t *words = reinterpret_cast<uint32_t *>(smem);
   const int stage_words = kRing * kStageBytes / 4, x_words = kGroupTokens * local_x_pitch(kProbeHidden) / 4;
   for (int i = threadIdx.x; i < stage_words + x_words; i += blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ blockIdx.x * 97u;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
+    const uint32_t h = mix_bits((uint32_t)i * 2654435761u ^ blockIdx.x * 97u);
     words[i] = h & (i < stage_words ? 0x7F7F7F7Fu : 0x3BFF3BFFu);
   }
   constexpr int kFullArrivals = kXCopies ? 2 : 1;
@@ -690,9 +691,7 @@ void sustained_table(int grid, size_t smem_bytes, const uint8_t *source, unsigne
 /* n words of hashed bits under mask */
 __global__ void fill_hashed(uint32_t *words, size_t n, uint32_t mask) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
+    const uint32_t h = mix_bits((uint32_t)i * 2654435761u);
     words[i] = (h ^ h >> 15) & mask;
   }
 }
