@@ -10,7 +10,8 @@ so the host never waits for the GPU), --rounds times, and reports the median per
 - PersistentExperts.run at k3-tp8, B = 1 and 64, the stream left to the library (PyTorch's
   current stream) and given as an int handle;
 - WsGemm.run at N = 4096, K = 7168, M = 1;
-- the PyTorch calls an import of a torch tensor makes: torch.cuda.current_stream(),
+- how run() finds PyTorch's current stream (torch_current_stream) beside the public
+  torch.cuda.current_stream(), and the PyTorch calls an import of a torch tensor makes:
   __dlpack_device__(), and __dlpack__() with the current stream's handle and with -1
   (DLPack's "no synchronization").
 Writes JSON (top level: date, git commit, command, gpu; rows: what, us) and prints a table.
@@ -40,6 +41,7 @@ def main() -> int:
 
     import torch
     import kimi_experts as kx
+    from kimi_experts._util import torch_current_stream
     from kimi_experts.demo import eager_host_us
 
     if not torch.cuda.is_available():
@@ -77,6 +79,8 @@ def main() -> int:
 
     handle = torch.cuda.current_stream().cuda_stream or 1  # DLPack spells the legacy default 1
     rows.append({"what": "torch.cuda.current_stream()", "us": timed(torch.cuda.current_stream)})
+    rows.append({"what": "kimi_experts._util.torch_current_stream(x)",
+                 "us": timed(lambda: torch_current_stream(x))})
     rows.append({"what": "x.__dlpack_device__()", "us": timed(x.__dlpack_device__)})
     rows.append({"what": "x.__dlpack__(stream=current)",
                  "us": timed(lambda: x.__dlpack__(stream=handle, max_version=(1, 0)))})

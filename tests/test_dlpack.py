@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import sys
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -282,3 +283,31 @@ def test_gemm_numpy_weights_and_capsules(kx):
     gemm.prepare(M, to_dlpack(out))
     gemm.run(to_dlpack(x))
     assert_gemm_close(out, want_for(x, W), abs_products(x, W), "gemm capsules", bf16=True)
+
+
+class FakeCudaTensor:
+    """Passes for a CUDA torch tensor on device 3 (what resolve_stream looks at)."""
+
+    __module__ = "torch.fake"
+    is_cuda = True
+    device = "cuda:3"
+
+    def get_device(self):
+        return 3
+
+
+def test_default_stream_from_torchs_raw_getter_or_its_public_api(monkeypatch):
+    """The raw getter where torch has one, else torch.cuda.current_stream; both asked for the
+    first CUDA tensor's device."""
+    from kimi_experts._util import resolve_stream
+
+    asked = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda index: asked.append(("raw", index)) or 0x5000 + index, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda dev: asked.append(("public", dev)) or SimpleNamespace(cuda_stream=0x7000))
+    assert resolve_stream(None, torch.zeros(2), FakeCudaTensor()) == 0x5003
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    assert resolve_stream(None, FakeCudaTensor()) == 0x7000
+    assert resolve_stream(None, torch.zeros(2)) == 0  # no CUDA tensor: the legacy default stream
+    assert asked == [("raw", 3), ("public", "cuda:3")]

@@ -47,3 +47,16 @@ def test_probe_read_runs(kx):
     buf = torch.ones(1 << 24, dtype=torch.uint8, device="cuda")
     assert kx._C.probe_read(buf, torch.cuda.current_stream().cuda_stream) is None
     torch.cuda.synchronize()
+
+
+def test_default_stream_is_torchs_current_stream(kx):
+    """run()'s default stream (the raw getter where torch has it) is the handle of
+    torch.cuda.current_stream() on the tensor's device, on the default and on a side stream."""
+    from kimi_experts._util import resolve_stream
+
+    t = torch.zeros(4, device="cuda")
+    assert resolve_stream(None, t) == torch.cuda.current_stream(t.device).cuda_stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert resolve_stream(None, t) == s.cuda_stream != torch.cuda.default_stream().cuda_stream
+    assert resolve_stream(None, torch.zeros(4), t) == torch.cuda.current_stream().cuda_stream
