@@ -191,7 +191,7 @@ int kx_arg_inputs_stream(PyObject *inputs_on_stream, uintptr_t stream, int64_t *
   int on_stream = 0;
   if (inputs_on_stream != NULL && kx_arg_bool(inputs_on_stream, "inputs_on_stream", &on_stream) < 0)
     return -1;
-  *dlstream = on_stream ? -1 : kx_dlpack_stream(stream);
+  *dlstream = on_stream ? KX_STREAM_ORDERED_CUDA : kx_dlpack_stream(stream);
   return 0;
 }
 

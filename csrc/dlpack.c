@@ -4,7 +4,9 @@
  * Protocol, as the consumer:
  *   1. __dlpack_device__() says where the tensor lives; for CUDA we pass the stream we
  *      will use the memory on (__dlpack__(stream=s)), so the producer orders its pending
- *      work before ours; CPU producers get no stream (NumPy refuses one).
+ *      work before ours; CPU producers get no stream (NumPy refuses one). A caller that
+ *      knows its producers are CUDA ones ordered on our stream already skips the query
+ *      and asks for no synchronization (KX_STREAM_ORDERED_CUDA).
  *   2. We ask for max_version=(1, 0) (a "dltensor_versioned" capsule, which can say
  *      "read-only"); producers that predate it raise TypeError and get a plain call.
  *   3. A consumed capsule is renamed "used_dltensor[_versioned]" so its own destructor
@@ -189,8 +191,11 @@ static void owner_destructor(PyObject *owner) {
 /* Calls obj.__dlpack__ the protocol's way; returns the capsule (new reference). */
 static PyObject *call_dlpack(PyObject *obj, const char *arg, int64_t stream) {
   DLDevice dev = {kDLCPU, 0};
-  PyObject *devobj = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
-  if (devobj == NULL) {
+  PyObject *devobj = NULL;
+  if (stream == KX_STREAM_ORDERED_CUDA) {
+    dev.device_type = kDLCUDA; /* the caller's word; the import's device check still applies */
+    stream = KX_STREAM_NO_SYNC;
+  } else if ((devobj = PyObject_CallMethod(obj, "__dlpack_device__", NULL)) == NULL) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
       kx_raise_from(PyExc_ValueError, "%s: __dlpack_device__() failed", arg);
       return NULL;

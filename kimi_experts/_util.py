@@ -69,6 +69,6 @@ def resolve_run_stream(stream, *inputs) -> tuple[int, bool]:
     on it already: True when no stream was given and every input (None skipped) is a CUDA
     torch tensor, for then the handle is their own current stream, where PyTorch orders
     their producers. The C run then imports them without asking torch to synchronize
-    (DLPack stream -1), which skips most of an eager call's host time."""
+    (DLPack stream -1) or where they live, which skips most of an eager call's host time."""
     on_stream = stream is None and all(is_cuda_torch(t) for t in inputs if t is not None)
     return resolve_stream(stream, *inputs), on_stream

@@ -77,25 +77,29 @@ def test_dlpack_only_objects(kx, weights, layer):
 
 
 class ClaimsCuda(OnlyDLPack):
-    """Says it lives on CUDA, so run() hands its __dlpack__ a stream, which it records; the
-    capsule it returns is its CPU tensor's, so the CPU backend runs on it."""
+    """Says it lives on CUDA, so run() hands its __dlpack__ a stream, which it records with
+    how often its device was asked; the capsule it returns is its CPU tensor's, so the CPU
+    backend runs on it."""
 
     def __init__(self, arr):
         super().__init__(arr)
         self.streams = []
+        self.device_queries = 0
 
     def __dlpack__(self, *, stream=None, **kwargs):
         self.streams.append(stream)
         return self._arr.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
+        self.device_queries += 1
         return (2, 0)  # kDLCUDA, device 0
 
 
 def test_run_asks_cuda_producers_for_its_stream(kx, layer):
     """DLPack's stream argument: the run's stream (the legacy default 0 spelled 1), or -1 (no
-    synchronization) when inputs_on_stream says the inputs are ordered on it already, as the
-    Python layer says when it resolved the stream to the inputs' own PyTorch current stream."""
+    synchronization) when inputs_on_stream says the inputs are CUDA tensors ordered on it
+    already, as the Python layer says when it resolved the stream to the inputs' own PyTorch
+    current stream; then their device is not asked (their word is taken)."""
     B = 2
     seed = seed_of("dl-streams")
     x, ids = make_x(B, H, seed), make_ids(B, K, E, seed)
@@ -110,6 +114,8 @@ def test_run_asks_cuda_producers_for_its_stream(kx, layer):
         poison_(out)
         kx._C.Experts.run(moe, xr, idsr, **kwargs)
         assert xr.streams == [asked] and idsr.streams == [asked], (kwargs, xr.streams, idsr.streams)
+        queries = 0 if kwargs.get("inputs_on_stream") else 1
+        assert xr.device_queries == idsr.device_queries == queries, (kwargs, xr.device_queries)
         assert bitwise_equal(out, want), f"run({kwargs}) differs"
     gemm = kx.WsGemm(torch.randn(64, H).to(torch.bfloat16))
     y = torch.empty((1, 64), dtype=torch.bfloat16)
@@ -117,7 +123,9 @@ def test_run_asks_cuda_producers_for_its_stream(kx, layer):
     xg = ClaimsCuda(make_x(1, H, seed))
     kx._C.WsGemm.run(gemm, xg, stream=5, inputs_on_stream=True)
     kx._C.WsGemm.run(gemm, xg, stream=5)
-    assert xg.streams == [-1, 5], xg.streams
+    assert xg.streams == [-1, 5] and xg.device_queries == 1, (xg.streams, xg.device_queries)
+    with pytest.raises(ValueError, match="x: __dlpack__"):  # a CPU producer is not asked its device
+        kx._C.Experts.run(moe, x.float().numpy(), ids.numpy(), stream=7, inputs_on_stream=True)
 
 
 @pytest.mark.parametrize("B", [1, 4, 9])
