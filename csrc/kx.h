@@ -66,8 +66,8 @@ int kx_arg_stream(PyObject *obj, const char *arg, uintptr_t *stream);
  * the legacy default stream 1, since 0 is ambiguous there. */
 int64_t kx_dlpack_stream(uintptr_t stream);
 /* The DLPack stream a run asks its inputs' producers to order them on: the run's stream,
- * or KX_STREAM_ORDERED_CUDA (-1, DLPack's "no synchronization", asked of CUDA producers
- * without querying their device) when the bool inputs_on_stream (NULL: False) says the
+ * or KX_STREAM_ORDERED_CUDA (passed on as -1, DLPack's "no synchronization", without
+ * querying the producers' device) when the bool inputs_on_stream (NULL: False) says the
  * caller knows they are CUDA tensors ordered there already; the Python layer says so when
  * the stream is the inputs' own PyTorch current stream, which spares torch's __dlpack__ its
  * stream objects and comparisons (most of an eager run's host time). */
