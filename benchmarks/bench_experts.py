@@ -4,7 +4,9 @@
                                        [--routing uniform] [--out benchmarks/results/experts-h200.json]
 
 Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 shard
-(I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large).
+(I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large). Study: --shapes
+names other models' layers too (OTHER_SHAPES: their H, I, E and top_k, with SiTU standing in
+for each model's own activation; --out experts-models-h200.json).
 - us: one layer call (PersistentExperts.run, per-slot rows; with --combine the fused combine
   z = sum_j w[:, j] rows[:, j], its own record experts-combined-h200.json), timed as a CUDA graph of
   --layers calls over --layers distinct weight sets sharing one scratch (so L2 cannot
@@ -41,6 +43,15 @@ from common import (ROUTINGS, graph_replay_time_us, ids_by_routing, measure_hbm_
 SHAPES = {
     "k3-tp8": dict(H=3584, I=384, E=384, top_k=16, hidden_scale="floor"),
     "tp16": dict(H=3584, I=192, E=384, top_k=16, hidden_scale="rceil"),
+}
+# Other models' MoE layers as one GPU of a TP8 group holds them (gpt-oss-120b: the whole layer,
+# its MXFP4 checkpoint's form), for studies; tests/shapes.py's OTHER_MODEL_SHAPES check them.
+OTHER_SHAPES = {
+    "dsv3-tp8": dict(H=7168, I=256, E=256, top_k=8, hidden_scale="rceil"),  # DeepSeek-V3 / R1
+    "qwen3-235b-tp8": dict(H=4096, I=192, E=128, top_k=8, hidden_scale="rceil"),
+    "gpt-oss-120b": dict(H=2880, I=2880, E=128, top_k=4, hidden_scale="rceil"),
+    "llama4-maverick-tp8": dict(H=5120, I=1024, E=128, top_k=1, hidden_scale="rceil"),
+    "mixtral-8x22b-tp8": dict(H=6144, I=2048, E=8, top_k=2, hidden_scale="rceil"),
 }
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -112,7 +123,8 @@ def main():
                     help="replay each graph this long before timing it (sustained load; a study)")
     ap.add_argument("--large", action="store_true", help="also B = 128, 256")
     ap.add_argument("--batches", help="only these B, comma-separated (a study, not the record)")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"comma-separated, of {', '.join(SHAPES)} (the record) and {', '.join(OTHER_SHAPES)}")
     ap.add_argument("--combine", action="store_true", help="time the fused combine (z [B, H]) instead of per-slot rows")
     ap.add_argument("--routing", default="uniform", help=f"{ROUTINGS} (a study unless uniform)")
     ap.add_argument("--out", help="the JSON (default: the record, results/experts-h200.json, or with --combine "
@@ -138,6 +150,12 @@ def main():
     except ValueError as e:
         ap.error(f"--routing: {e}")
     refuse_study_over_record(ap, "--routing", args.routing != "uniform", args.out, record)
+    shapes = {**SHAPES, **OTHER_SHAPES}
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        ap.error(f"--shapes: unknown {', '.join(unknown)}")
+    refuse_study_over_record(ap, "--shapes", any(n in OTHER_SHAPES for n in names), args.out, record)
     batches = BATCHES + ([128, 256] if args.large else [])
     if args.batches:
         refuse_study_over_record(ap, "--batches", True, args.out, record)
@@ -154,8 +172,8 @@ def main():
     if board is None:
         print("NVML not available: rows without the board's power state", flush=True)
     rows = []
-    for name in args.shapes.split(","):
-        rows += bench_shape(torch, kx, name, SHAPES[name], batches, args.layers, args.replays, hbm, args.rounds,
+    for name in names:
+        rows += bench_shape(torch, kx, name, shapes[name], batches, args.layers, args.replays, hbm, args.rounds,
                             args.warmup_ms, args.combine, args.routing, board)
     write_json(args.out, rows, hbm_read_TBps=hbm, layers=args.layers, rounds=args.rounds, replays=args.replays,
                warmup_ms=args.warmup_ms, output="combined" if args.combine else "rows", routing=args.routing)

@@ -38,7 +38,6 @@ ref = _load_reference()
 # Kimi-K3 layer shards. E=384 experts, K_top=16, H=3584.
 K3_TP8 = dict(name="k3-tp8", H=3584, I=384, E=384, top_k=16, hidden_scale="floor")
 TP16 = dict(name="tp16", H=3584, I=192, E=384, top_k=16, hidden_scale="rceil")
-MODEL_SHAPES = [K3_TP8, TP16]
 
 # Small legal shapes (H % 64 == 0, I % 32 == 0, 1 <= K_top <= 32, E >= 1), chosen odd:
 # E=1 (every slot the same expert), E < K_top (repeats forced), I not a multiple of 64.
@@ -64,6 +63,18 @@ SMALL_SHAPES = [
     # the largest legal E with the most pairs per launch (B = 64 x 16): the GPU kernel's
     # shared-memory routing tables at their largest, next to its ring and reduce buffers
     dict(name="h64-i32-e4096-k16", H=64, I=32, E=4096, top_k=16, hidden_scale="floor"),
+]
+
+# Other models' MoE layers as one GPU holds them: the shard's H, I and top_k (which the k3 tiles
+# were not chosen for: H = 2880 is 45 x 64, I up to 2880, top_k 1 to 8), E cut to 32 where the model
+# has more, so that the float64 reference's dequantized experts stay small (benchmarks/bench_experts.py times them
+# with the models' own E).
+OTHER_MODEL_SHAPES = [
+    dict(name="dsv3-tp8-e32", H=7168, I=256, E=32, top_k=8, hidden_scale="rceil"),
+    dict(name="qwen3-235b-tp8-e32", H=4096, I=192, E=32, top_k=8, hidden_scale="rceil"),
+    dict(name="gpt-oss-120b-e32", H=2880, I=2880, E=32, top_k=4, hidden_scale="rceil"),
+    dict(name="llama4-maverick-tp8-e32", H=5120, I=1024, E=32, top_k=1, hidden_scale="rceil"),
+    dict(name="mixtral-8x22b-tp8", H=6144, I=2048, E=8, top_k=2, hidden_scale="rceil"),
 ]
 
 

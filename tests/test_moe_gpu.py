@@ -1,10 +1,11 @@
 """SPEC 3 on the GPU engine (issue 3): the device quantizer bit-exact; rows and combined
 output against the float64 reference (computed on the GPU) for every B in 1..64 on
-k3-tp8 and tp16 and for B > 64; NaN/Inf inputs; bad ids; CUDA-graph capture and
-replay; four layers sharing one scratch; determinism over 100 runs, and over 1500 runs
-with every token on the same 16 experts; 2000 launches of the shape whose tiles are one
-ring stage each; streams; device mismatches. Weights are built once per module; the
-reference caches each expert's dequantized weights on the GPU."""
+k3-tp8 and tp16, for B > 64, and on other models' shards at B = 1, 8, 64; NaN/Inf
+inputs; bad ids; CUDA-graph capture and replay; four layers sharing one scratch;
+determinism over 100 runs, and over 1500 runs with every token on the same 16 experts;
+2000 launches of the shape whose tiles are one ring stage each; streams; device
+mismatches. Weights are built once per module; the reference caches each expert's
+dequantized weights on the GPU."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from gpu_util import sync_or_die, to_cuda
 from moe_check import (Layer, assert_names_first_bad, bitwise_equal, check_close,
                        check_combined_matches_rows, check_rows_close)
-from shapes import (FINITE_SENTINEL, K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids,
+from shapes import (FINITE_SENTINEL, K3_TP8, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits, make_ids,
                     make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
                     rel_fro, seed_of, shape_id)
 
@@ -144,16 +145,16 @@ def test_skewed_routing(kx, gpu_layers, scratches, case, B):
     check_combined_matches_rows(z, rows, rw, what)
 
 
-def _small_layer(kx, shape):
-    """A small shape's layer on the GPU, its weights seeded by the shape's name."""
+def _seeded_layer(kx, shape):
+    """A layer of `shape` on the GPU, its weights seeded by the shape's name."""
     return Layer(kx, shape, to_cuda(make_weights(shape, seed_of("gpu-small-w", shape["name"]))))
 
 
-@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
-def test_small_shapes_gpu(kx, shape):
-    layer = _small_layer(kx, shape)
-    for B in (1, 5, 64, 300):
-        seed = seed_of("gpu-small", shape["name"], B)
+def _check_rows_and_combined(kx, shape, batches, tag):
+    """Rows and the combined output of a fresh layer of `shape` against the reference."""
+    layer = _seeded_layer(kx, shape)
+    for B in batches:
+        seed = seed_of(tag, shape["name"], B)
         x, ids, rw = _inputs(layer, B, seed)
         what = f"{layer.describe()} B={B} seed={seed}"
         rows = layer.run(x, ids)
@@ -163,6 +164,16 @@ def test_small_shapes_gpu(kx, shape):
         z = layer.run(x, ids, rw)
         sync_or_die(what)
         check_close(z, ref.combine_rows(want, rw), what + " combined")
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
+def test_small_shapes_gpu(kx, shape):
+    _check_rows_and_combined(kx, shape, (1, 5, 64, 300), "gpu-small")
+
+
+@pytest.mark.parametrize("shape", OTHER_MODEL_SHAPES, ids=shape_id)
+def test_other_model_shapes_gpu(kx, shape):
+    _check_rows_and_combined(kx, shape, (1, 8, 64), "gpu-other-models")
 
 
 # The widest rows of the small shapes: local x takes most of shared memory at B = 1, and the row
@@ -176,7 +187,7 @@ def test_combine_paths_at_wide_rows(kx):
     items than the grid has MMA warps, so some warps take a second after their planned one) and y
     with its arrival counters at B = 64 (combine_by_counts): the reference's output and the
     slot-order sum of the layer's own rows."""
-    layer = _small_layer(kx, BIG_ROWS)
+    layer = _seeded_layer(kx, BIG_ROWS)
     for B in (1, 2, 5, 64):
         seed = seed_of("big-rows", B)
         x, ids, rw = _inputs(layer, B, seed)
@@ -198,7 +209,7 @@ def test_one_stage_tiles_many_launches(kx):
     equal the first bit for bit."""
     shape = SMALL_SHAPES[-1]
     assert shape["E"] == 4096 and shape["H"] == 64 and shape["I"] == 32, shape
-    layer = _small_layer(kx, shape)
+    layer = _seeded_layer(kx, shape)
     B = 300
     seed = seed_of("one-stage-tiles")
     x, ids, rw = _inputs(layer, B, seed)
