@@ -98,16 +98,17 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for name in sorted({r["shape"] for r in rows}):
         rs = [r for r in rows if r["shape"] == name]
-        ax.plot([r["B"] for r in rs], [r["us"] for r in rs], "o-", label=f"{name} kimi_experts")
-        ax.plot([r["B"] for r in rs], [r["floor_us"] for r in rs], "k--", alpha=0.5, label=f"{name} HBM floor")
+        (line,) = ax.plot([r["B"] for r in rs], [r["us"] for r in rs], "o-", label=f"{name} kimi_experts")
+        ax.plot([r["B"] for r in rs], [r["floor_us"] for r in rs], "--", color=line.get_color(), alpha=0.5,
+                label=f"{name} HBM floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens B")
     ax.set_ylabel("us per layer call")
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
