@@ -6,7 +6,7 @@
  *
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr -DKX_MARKS \
  *        -Ikernels benchmarks/experts_marks.cu kernels/experts.cu kernels/pack.cu kernels/probe.cu \
- *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16] [--batch B] [--last N]
+ *        -o /tmp/experts_marks && /tmp/experts_marks [--shape k3-tp8|tp16|E,H,I,K] [--batch B] [--last N]
  *                                      [--inputs cold|hot|near] [--combine] [--routing uniform|same]
  *
  * Weights are random bytes (scales near 1), 8 layers of them rotated in a CUDA graph as in
@@ -86,6 +86,9 @@ int main(int argc, char **argv) {
     } else if (!strcmp(argv[i], "--shape") && !strcmp(value, "tp16")) {
       s.inter = 192;
       name = "tp16";
+    } else if (!strcmp(argv[i], "--shape") &&
+               sscanf(value, "%d,%d,%d,%d", &s.experts, &s.hidden, &s.inter, &s.top_k) == 4) {
+      name = value; /* E,H,I,K, as race_check.py's --shape */
     } else if (!strcmp(argv[i], "--batch") && atoi(value) > 0) {
       batch = atoi(value);
     } else if (!strcmp(argv[i], "--last") && atoi(value) > 0) {
@@ -98,7 +101,7 @@ int main(int argc, char **argv) {
       near_inputs = !strcmp(value, "near");
     } else if (strcmp(argv[i], "--shape") || strcmp(value, "k3-tp8")) {
       fprintf(stderr,
-              "bad argument: %s %s (--shape k3-tp8|tp16, --batch B, --last N, --inputs cold|hot|near, --combine, "
+              "bad argument: %s %s (--shape k3-tp8|tp16|E,H,I,K, --batch B, --last N, --inputs cold|hot|near, --combine, "
               "--routing uniform|same)\n",
               argv[i], value);
       return 2;
