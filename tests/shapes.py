@@ -66,9 +66,9 @@ SMALL_SHAPES = [
 ]
 
 # Other models' MoE layers as one GPU holds them: the shard's H, I and top_k (which the k3 tiles
-# were not chosen for: H = 2880 is 45 x 64, I up to 2880, top_k 1 to 8), E cut to 32 where the model
-# has more, so that the float64 reference's dequantized experts stay small (benchmarks/bench_experts.py times them
-# with the models' own E).
+# were not chosen for: H = 2880 is 45 x 64, I up to 2880, top_k 1 to 8), E cut to 32 where the
+# model has more, so that the float64 reference's dequantized experts stay small
+# (benchmarks/bench_experts.py times them with the models' own E).
 OTHER_MODEL_SHAPES = [
     dict(name="dsv3-tp8-e32", H=7168, I=256, E=32, top_k=8, hidden_scale="rceil"),
     dict(name="qwen3-235b-tp8-e32", H=4096, I=192, E=32, top_k=8, hidden_scale="rceil"),

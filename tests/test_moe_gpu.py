@@ -17,8 +17,8 @@ import torch
 from gpu_util import sync_or_die, to_cuda
 from moe_check import (Layer, assert_names_first_bad, bitwise_equal, check_close,
                        check_combined_matches_rows, check_rows_close)
-from shapes import (FINITE_SENTINEL, K3_TP8, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits, make_ids,
-                    make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
+from shapes import (FINITE_SENTINEL, K3_TP8, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits,
+                    make_ids, make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
                     rel_fro, seed_of, shape_id)
 
 pytestmark = pytest.mark.gpu
