@@ -78,6 +78,7 @@ __device__ __forceinline__ void fold_store(const uint32_t (&q)[kMxBlock / 4], ui
   store_fragment_block(pairs, dst);
 }
 
+
 /* A block of x: its 32 bf16 as 16 words (element 2k in word k's low half) and the largest of
  * their |x| bits as fp32 bits (bf16 bits order like |x|, with Inf and then NaN above all). */
 struct XBlock {
@@ -105,9 +106,9 @@ __device__ __forceinline__ XBlock load_x_block(const __nv_bfloat16 *src) {
   return b;
 }
 
-/* An x block quantized (rceil) and stored as fold_store stores codes, bit for bit, worked on its
- * bf16 pairs: no 32 floats, no second max and one f16 product per pair instead of two conversions
- * and two fp32 products (B = 1's MMA warps had x ~0.85 kcycle sooner, session 35). */
+/* An x block quantized (rceil) and stored as fold_store stores its codes, bit for bit, on its bf16 pairs: no 32 floats, no
+ * second max and one f16 product per pair instead of two conversions and two fp32 products
+ * (B = 1's MMA warps had x ~0.85 kcycle sooner, session 35). */
 __device__ __forceinline__ void quantize_store_x(const XBlock &b, int ref_exp, uint8_t *dst) {
   const bool finite = b.amax_bits < 0x7F800000u;
   const int e = finite ? mxfp8_exponent(__uint_as_float(b.amax_bits), false) : kE8m0Nan - kE8m0Bias;
