@@ -334,8 +334,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.combine_count = (int *)(scratch + S.combine_count);
   p.xq = scratch + S.xq;
   p.x_mult = (float *)(scratch + S.x_mult);
-  p.h_codes = scratch + S.h_codes;
-  p.h_scales = scratch + S.h_scales;
+  p.h = (float *)(scratch + S.h);
   p.hq = scratch + S.hq;
   p.h_mult = (float *)(scratch + S.h_mult);
   p.handoff = (unsigned long long *)(scratch + S.handoff);

@@ -50,82 +50,89 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
   return tt;
 }
 
-/* FC1: SiTU -> h, a pass per token (MMA column i), lane k = column k: the tile's 32 hidden columns
- * are one MXFP8 block of each token, quantized here. Tagged, the block goes to FC2 as tagged words;
- * otherwise its codes and scale go to scratch and its max |h| to its row's, for the unit's finisher
- * (publish_fc1_tile). One token (local x) has its multiplier in every lane (run_epilogues), so its
- * block's path to its tagged words holds no shuffle but the quantization's. */
+/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile);
+ * tagged, the tile's block of each token quantized here and handed to FC2 as tagged words. */
 template <bool kLocalX, bool kTagged>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt, unsigned long long call) {
-  const int lane = threadIdx.x & 31, I = p.shape.inter;
+  const int lane = threadIdx.x & 31;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
-  const int row = lane % kStripRows, pair = lane / kStripRows, count = kLocalX ? 1 : unit.count;
-  for (int i = 0; i < count; ++i) {
-    const float mult = kLocalX ? tt.mult : __shfl_sync(0xFFFFFFFFu, tt.mult, i);
-    const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
-    const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
-    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
-    const float h = situ(gate, up, p.beta, p.linear_beta);
-    KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
-    const int64_t r = unit.row0 + i;
-    if constexpr (kTagged) {
+  if constexpr (kTagged) {
+    /* a pass per token (MMA column i), lane k = column k. One token (local x) has its
+     * multiplier in every lane (run_epilogues), so its block's path to its tagged words holds
+     * no shuffle but the quantization's */
+    const int row = lane % kStripRows, pair = lane / kStripRows, count = kLocalX ? 1 : unit.count;
+    for (int i = 0; i < count; ++i) {
+      const float mult = kLocalX ? tt.mult : __shfl_sync(0xFFFFFFFFu, tt.mult, i);
+      const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
+      const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
+      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
+      const float h = situ(gate, up, p.beta, p.linear_beta);
+      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
       /* FC1 tile f's 32 hidden columns are FC2's k-block f */
-      store_handoff_block(p.handoff + (r * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h, p.hidden_floor,
-                          call);
-    } else {
-      uint32_t scale, amax_bits;
-      p.h_codes[r * I + ref.tile * kMxBlock + lane] = (uint8_t)quantize_lanes(h, p.hidden_floor, &scale, &amax_bits);
-      if (lane == 0) {
-        p.h_scales[r * (I / kMxBlock) + ref.tile] = (uint8_t)scale;
-        atomicMax(&p.sync->h_amax[r], amax_bits);
+      store_handoff_block(p.handoff + ((int64_t)(unit.row0 + i) * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
+                          h, p.hidden_floor, call);
+    }
+  } else {
+    const int I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
+    for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
+      const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
+      const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
+      const float mult = __shfl_sync(0xFFFFFFFFu, tt.mult, token);
+      float h = 0.0f;
+      if (o < items) {
+        const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, token, mult);
+        const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, token, mult);
+        h = situ(gate, up, p.beta, p.linear_beta);
+        p.h[(int64_t)(unit.row0 + token) * I + (ref.tile * kFc1Pairs + pair) * kStripRows + row] = h;
       }
+      uint32_t m = __float_as_uint(h) & 0x7FFFFFFFu; /* |h| bits order like |h|; NaN above all */
+      for (int d = kStripRows / 2; d > 0; d >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+      if (row == 0 && o < items) atomicMax(&p.sync->h_amax[unit.row0 + token], m);
     }
   }
 }
 
-/* The CTA that finishes a unit's last FC1 tile folds its hidden blocks' codes against each row's
- * largest |h| into hq and releases it (not for block-scaled rows: their tiles hand their blocks
- * over themselves). Until session 57 it loaded each block's 32 fp32 h and quantized them here:
- * 17-56 us on one warp at Mixtral 8x22B TP8's B = 16-64 (I = 2048, 8 tokens: 512 blocks), whose
- * turn stalled the CTA's tiles (the marks). Returns whether this was that tile (the marks stamp
- * the release). */
+/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it (not for
+ * block-scaled rows: their tiles hand their blocks over themselves). Returns whether this was
+ * that tile (the marks stamp the release). */
 __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
   const int lane = threadIdx.x & 31, I = p.shape.inter;
   int last = 0;
   if (lane == 0) {
-    fence_acq_rel_gpu(); /* release this tile's blocks */
+    fence_acq_rel_gpu(); /* release this tile's h */
     const unsigned int last_count = p.fc1.tiles - 1; /* the count wraps to 0 there */
     last = atomicInc(&p.sync->fc1_done[ref.unit], last_count) == last_count;
   }
   if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return false;
-  /* acquire the other tiles' blocks for every lane, though only lane 0's atomic saw the count:
+  /* acquire the other tiles' h for every lane, though only lane 0's atomic saw the count:
    * as fence.acq_rel (enough at the other hand-offs) the lanes read stale hidden rows in
    * the race checks, so this one stays sequentially consistent */
   __threadfence();
 
   /* every FC1 tile of the unit is in, so its rows' max |h| are final: each lane loads its
-   * block's row's with its codes (plain loads, one round trip for both) */
+   * block's row's with its h (plain loads, one round trip for both) */
   const unsigned int *row_amax = p.sync->h_amax + unit.row0;
   const float my_amax = lane < unit.count ? __uint_as_float(__ldcg(row_amax + lane)) : 0.0f;
   const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
-  /* a warp-uniform trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere (and two
-   * blocks a lane in flight spill 16 bytes) */
+  /* a warp-uniform trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere */
   for (int base = 0; base < blocks; base += 32) {
     const int b = base + lane;
     if (b >= blocks) continue;
-    const int row_i = b / kb_per_row, kb = b - row_i * kb_per_row;
-    const int64_t block = (int64_t)(unit.row0 + row_i) * kb_per_row + kb;
-    const uint4 *src = reinterpret_cast<const uint4 *>(p.h_codes + block * kMxBlock);
-    const uint4 lo = __ldcg(src), hi = __ldcg(src + 1);
-    const uint32_t scale = __ldcg(p.h_scales + block);
+    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
     const float amax = __uint_as_float(__ldcg(row_amax + row_i));
-    const uint32_t q[kMxBlock / 4] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float v[kMxBlock];
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 4; ++i) {
+      const float4 f = __ldcg(src + i);
+      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
     const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
-    const int64_t block_row = hidden_block_row(p, c, unit.row0 + row_i);
-    fold_store(q, scale, act_reference_exponent(amax, p.hidden_floor),
-               p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
+    const int64_t block_row = hidden_block_row(p, c, r);
+    quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor),
+                   p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
   }
   __syncwarp(); /* every lane has read the rows' max |h| */
   /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */

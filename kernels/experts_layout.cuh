@@ -96,7 +96,7 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
  * its quantization, and hands them to FC2 as tagged words (below) instead of through h, hq and
  * the unit's counter, finisher and flag. FC2's activation producer folds a chunk's block scales
  * into each row's f16 codes relative to that row's largest in the chunk (as x's are to the
- * row's, fold_store) and leaves the row's chunk multiplier, an fp32 power of two, at this
+ * row's, quantize_store) and leaves the row's chunk multiplier, an fp32 power of two, at this
  * offset + 4 * row in the padding of the stage's first activation row; the MMA warps apply
  * them once per chunk, not per unit. */
 KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
@@ -174,7 +174,7 @@ struct SyncWords {
 };
 
 struct ScratchLayout {
-  int64_t sync, handoff, row_words, combine_count, xq, x_mult, h_codes, h_scales, hq, h_mult, y, total;
+  int64_t sync, handoff, row_words, combine_count, xq, x_mult, h, hq, h_mult, y, total;
 };
 
 KX_HOST_DEVICE int64_t align128(int64_t v) { return (v + 127) & ~(int64_t)127; }
@@ -194,8 +194,7 @@ KX_HOST_DEVICE ScratchLayout scratch_layout(const kx_moe_shape &s, int launch_to
   L.combine_count = at; at = align128(at + 4 * (int64_t)launch_tokens * (s.hidden / kMinTileCols));
   L.xq = at; at = align128(at + 2 * (int64_t)launch_tokens * s.hidden);
   L.x_mult = at; at = align128(at + 4 * (int64_t)launch_tokens);
-  L.h_codes = at; at = align128(at + (int64_t)pairs * s.inter);
-  L.h_scales = at; at = align128(at + (int64_t)pairs * (s.inter / kMxBlock));
+  L.h = at; at = align128(at + 4 * (int64_t)pairs * s.inter);
   L.hq = at; at = align128(at + (int64_t)fc2.n_chunks * pairs * block_row_bytes(fc2));
   L.h_mult = at; at = align128(at + 4 * (int64_t)pairs);
   L.y = at; at = align128(at + 2 * (int64_t)pairs * s.hidden);
@@ -280,10 +279,10 @@ struct Params {
   bool hidden_floor;
   SyncWords *sync;
   int *combine_count;
-  uint8_t *xq; /* f16 values in fragment order (fold_store) */
+  uint8_t *xq; /* f16 values in fragment order (quantize_store) */
   float *x_mult; /* per x row: 2^(R + 14), R its reference exponent (mx.cuh) */
-  uint8_t *h_codes, *h_scales; /* hidden rows as MXFP8: e4m3 codes [row][I], E8M0 scales [row][I / 32] */
-  uint8_t *hq; /* f16 values in fragment order as xq, in unit blocks (block_row_bytes) */
+  float *h;
+  uint8_t *hq; /* likewise, in unit blocks (block_row_bytes) */
   int hidden_rows; /* rows of h per launch: block row c * hidden_rows + r */
   float *h_mult;   /* per hidden row: 2^(R + 14) */
   unsigned long long *handoff; /* tagged launches' hidden blocks as tagged words */

@@ -86,7 +86,7 @@ __device__ __forceinline__ void load_hidden_words(const Params &p, int row, int 
 
 /* A unit's hidden blocks for FC2 chunk c from their tagged words, row by row (the first row's
  * already loaded into `first`): polled until every word carries this call's tag, then widened
- * to f16 in the stage as fold_store lays them out, each block's codes times
+ * to f16 in the stage as quantize_store lays them out, each block's codes times
  * 2^(its scale - ref), ref = the row's largest scale in the chunk - 7 (exact within 22 binades
  * of the largest), and 2^(ref - 127) left at chunk_scale_offset + 4 * row. A NaN block's codes
  * are NaN, so its sums stay NaN. Returns how many polls it took (the marks count them). */
