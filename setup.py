@@ -37,6 +37,12 @@ NVCC_FLAGS = ARCH_FLAGS + [
     "-fPIC",
     "--expt-relaxed-constexpr",
 ]
+# For A/B timing only (benchmarks/compare_builds.py --pads): this many never-run instructions ahead
+# of the experts kernel's epilogue and producer code, which moves it against the MMA loops' code;
+# where it lands moves some launches by up to 3.6 % (NOTES, session 58). 0: none (every other build).
+PLACEMENT_PAD = int(os.environ.get("KIMI_EXPERTS_PLACEMENT_PAD", "0") or "0")
+if PLACEMENT_PAD:
+    NVCC_FLAGS.append(f"-DKX_PLACEMENT_PAD={PLACEMENT_PAD}")
 MIN_CUDA = (12, 0)  # sm_90a needs CUDA 12.0
 
 
@@ -286,6 +292,8 @@ def make_extension():
     if cuda:
         version = "%d.%d" % cuda["version"]
         desc = f"CUDA kernels for sm_90a (nvcc {version}) + CPU backend"
+        if PLACEMENT_PAD:
+            desc += f", placement pad {PLACEMENT_PAD} (a timing build)"
         log(f"CUDA: yes, kernels for sm_90a with {cuda['nvcc']} (CUDA {version}, "
             f"toolkit {cuda['root']})")
         include_dirs += ["kernels", os.path.join(cuda["root"], "include")]

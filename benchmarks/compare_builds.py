@@ -1,7 +1,7 @@
 """Same-machine A/B timing of built trees of this repository.
 
     python benchmarks/compare_builds.py TREE [TREE ...] [--passes 3] [--shapes k3-tp8,tp16] [--build]
-                                        [--warmup-ms T] [--combine] [--routing uniform]
+                                        [--pads 0,144,256] [--warmup-ms T] [--combine] [--routing uniform]
 
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
@@ -12,7 +12,13 @@ only beside its base, alternating, in one run. Every other pass runs the trees i
 under --warmup-ms, two runs of two trees in a fixed order, one in each order, read k3-tp8 B = 8-16
 1.9-3.1 % slower for whichever tree ran second in a pass (session 49, calls 4-5); a fixed order puts
 such drift on one tree alone, an alternating one on both. Run an even number of passes there.
---build first builds each tree in place (`python setup.py build_ext --inplace`). --warmup-ms
+--build first builds each tree in place (`python setup.py build_ext --inplace`). --pads builds a
+copy of each tree per pad instead (KIMI_EXPERTS_PLACEMENT_PAD, setup.py), times every copy as a
+tree, and prints a second table: per tree the median over its pads of each copy's fastest pass.
+Where the experts kernel's epilogue and producer code lands against its MMA loops' moved the fused
+combine at k3-tp8 / TP16 B = 4-8 by up to 3.6 % with no change of logic (session 58), so a change
+that grows or shrinks that code is read over several placements, not at the one it happens to get.
+--warmup-ms
 reaches bench_experts.py (each graph replayed that long before it is timed: sustained load), and so
 do --combine (the fused combine instead of per-slot rows) and --routing (skewed ids); every tree's
 bench_experts.py must know the options given.
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,14 +41,22 @@ def tree_names(trees: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else list(trees)
 
 
-def build(tree: str) -> None:
+def build(tree: str, pad: int = 0) -> None:
     log = os.path.join(tree, "build", "compare_builds.log")  # build/ is ignored by git
     os.makedirs(os.path.dirname(log), exist_ok=True)
+    env = dict(os.environ, KIMI_EXPERTS_PLACEMENT_PAD=str(pad))
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree,
+        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
                               stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         sys.exit(f"building {tree} failed: see {log}")
+
+
+def padded_copy(tree: str, pad: int, dst: str) -> str:
+    """tree's sources copied to dst (no git data, builds or results) and built with pad."""
+    shutil.copytree(tree, dst, ignore=shutil.ignore_patterns(".git", ".dev", "build", "results", "*.so"))
+    build(dst, pad)
+    return dst
 
 
 def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0, combine: bool = False,
@@ -78,6 +94,23 @@ def compare_table(times: dict, names: list[str]) -> list[str]:
     return lines
 
 
+def placement_table(times: dict, names: list[str], pads: list[int]) -> list[str]:
+    """times[(shape, B)][f"{name}@{pad}"]: us of each pass. Per (shape, B) and tree: the median
+    over the pads of each copy's fastest pass, and each later tree's against names[0]'s, in %."""
+    lines = [f"shape B | median over pads {','.join(map(str, pads))}: " + " | ".join(names)]
+    for key in sorted(times):
+        medians = [statistics.median(min(times[key][f"{n}@{p}"]) for p in pads)
+                   if all(f"{n}@{p}" in times[key] for p in pads) else None for n in names]
+        cells = []
+        for i, m in enumerate(medians):
+            cell = "?" if m is None else f"{m:.2f}"
+            if i and m is not None and medians[0] is not None:
+                cell += f" ({100 * (m / medians[0] - 1):+.1f} %)"
+            cells.append(cell)
+        lines.append(f"{key[0]} {key[1]} | " + " | ".join(cells))
+    return lines
+
+
 def hbm_line(hbm: dict, names: list[str]) -> str:
     """hbm[name]: each pass's HBM read in TB/s (None where a tree's JSON has none): the
     floors of its rows are the weight bytes over these."""
@@ -92,12 +125,14 @@ def main():
     ap.add_argument("--shapes", default="k3-tp8,tp16")
     ap.add_argument("--batches", help="only these B (bench_experts.py --batches)")
     ap.add_argument("--build", action="store_true", help="build each tree in place first")
+    ap.add_argument("--pads", help="comma-separated placement pads: a built copy of each tree per pad")
     ap.add_argument("--warmup-ms", type=float, default=0.0, help="bench_experts.py --warmup-ms")
     ap.add_argument("--combine", action="store_true", help="bench_experts.py --combine")
     ap.add_argument("--routing", default="uniform", help="bench_experts.py --routing")
     args = ap.parse_args()
     names = tree_names(args.trees)
-    if args.build:
+    pads = [int(v) for v in args.pads.split(",")] if args.pads else []
+    if args.build and not pads:
         for tree in args.trees:
             print(f"building {tree}", file=sys.stderr, flush=True)
             build(tree)
@@ -105,6 +140,13 @@ def main():
     hbm: dict = {}
     order = list(zip(args.trees, names))
     with tempfile.TemporaryDirectory() as tmp:
+        if pads:
+            copies = []
+            for i, (tree, name) in enumerate(order):
+                for pad in pads:
+                    print(f"building {name} with placement pad {pad}", file=sys.stderr, flush=True)
+                    copies.append((padded_copy(tree, pad, os.path.join(tmp, f"{i}@{pad}")), f"{name}@{pad}"))
+            order = copies
         for p in range(args.passes):
             for tree, name in order if p % 2 == 0 else order[::-1]:
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)
@@ -113,7 +155,9 @@ def main():
                 hbm.setdefault(name, []).append(run.get("hbm_read_TBps"))
                 for row in run["rows"]:
                     times.setdefault((row["shape"], row["B"]), {}).setdefault(name, []).append(row["us"])
-    print("\n".join(compare_table(times, names) + [hbm_line(hbm, names)]))
+    labels = [label for _, label in order]
+    lines = compare_table(times, labels) + [hbm_line(hbm, labels)]
+    print("\n".join(lines + (placement_table(times, names, pads) if pads else [])))
 
 
 if __name__ == "__main__":
