@@ -40,7 +40,10 @@ NVCC_FLAGS = ARCH_FLAGS + [
 # For A/B timing only (benchmarks/compare_builds.py --pads): this many never-run instructions ahead
 # of the experts kernel's epilogue and producer code, which moves it against the MMA loops' code;
 # where it lands moves some launches by up to 3.6 % (NOTES, session 58). 0: none (every other build).
-PLACEMENT_PAD = int(os.environ.get("KIMI_EXPERTS_PLACEMENT_PAD", "0") or "0")
+try:
+    PLACEMENT_PAD = max(0, int(os.environ.get("KIMI_EXPERTS_PLACEMENT_PAD", "0") or "0"))
+except ValueError:
+    sys.exit("KIMI_EXPERTS_PLACEMENT_PAD must be a count of instructions (0 or more)")
 if PLACEMENT_PAD:
     NVCC_FLAGS.append(f"-DKX_PLACEMENT_PAD={PLACEMENT_PAD}")
 MIN_CUDA = (12, 0)  # sm_90a needs CUDA 12.0

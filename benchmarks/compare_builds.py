@@ -131,7 +131,12 @@ def main():
     ap.add_argument("--routing", default="uniform", help="bench_experts.py --routing")
     args = ap.parse_args()
     names = tree_names(args.trees)
-    pads = [int(v) for v in args.pads.split(",")] if args.pads else []
+    try:
+        pads = [int(v) for v in args.pads.split(",")] if args.pads else []
+    except ValueError:
+        ap.error(f"--pads takes comma-separated instruction counts, not {args.pads!r}")
+    if any(pad < 0 for pad in pads):
+        ap.error("--pads: a pad is a count of instructions, 0 or more")
     if args.build and not pads:
         for tree in args.trees:
             print(f"building {tree}", file=sys.stderr, flush=True)
