@@ -41,8 +41,10 @@ NVCC_FLAGS = ARCH_FLAGS + [
 # of the experts kernel's epilogue and producer code, which moves it against the MMA loops' code;
 # where it lands moves some launches by up to 3.6 % (NOTES, session 58). 0: none (every other build).
 try:
-    PLACEMENT_PAD = max(0, int(os.environ.get("KIMI_EXPERTS_PLACEMENT_PAD", "0") or "0"))
+    PLACEMENT_PAD = int(os.environ.get("KIMI_EXPERTS_PLACEMENT_PAD", "0") or "0")
 except ValueError:
+    PLACEMENT_PAD = -1
+if PLACEMENT_PAD < 0:
     sys.exit("KIMI_EXPERTS_PLACEMENT_PAD must be a count of instructions (0 or more)")
 if PLACEMENT_PAD:
     NVCC_FLAGS.append(f"-DKX_PLACEMENT_PAD={PLACEMENT_PAD}")
