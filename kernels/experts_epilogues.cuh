@@ -50,32 +50,71 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
   return tt;
 }
 
-/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile);
- * tagged, the tile's block of each token quantized here and handed to FC2 as tagged words. */
+/* A unit's hidden rows wait in scratch for its finisher (publish_fc1_tile) as fp32 h, which the
+ * finisher quantizes, or, for units of more than kFinisherBlocks hidden blocks, as MXFP8 that
+ * each FC1 tile quantized itself, which the finisher only folds: the finisher is one warp, so
+ * quantizing Mixtral 8x22B TP8's 512-block units there took it 17-56 us (session 57), while a
+ * small unit's tiles would put the quantization on every tile's epilogue for no finisher pass
+ * saved (+1.5-3.6 % at k3-tp8 B = 4 and TP16 B = 8 combined, v91). The codes take the first I
+ * bytes of the row's 4 I, its block scales the next I / 32. */
+constexpr int kFinisherBlocks = 64;
+
+__device__ __forceinline__ bool tiles_quantize(const Params &p, const Unit &unit) {
+  return unit.count * (p.shape.inter / kMxBlock) > kFinisherBlocks;
+}
+
+__device__ __forceinline__ uint8_t *hidden_codes(const Params &p, int64_t row) {
+  return reinterpret_cast<uint8_t *>(p.h + row * p.shape.inter);
+}
+
+/* FC1 token i's h at this lane's hidden column of the tile (lane k = column k: the tile's 32
+ * columns are one MXFP8 block of each token); mult is the token's row multiplier. stamp: the
+ * marks build stamps the sums and h (tagged launches). */
+__device__ __forceinline__ float fc1_token_h(const Params &p, const float *reduce, const Unit &unit,
+                                             const TileRef &ref, int i, float mult, bool stamp) {
+  const int lane = threadIdx.x & 31, row = lane % kStripRows, pair = lane / kStripRows;
+  const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
+  const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
+  KX_MARK_TILE_AFTER_VALUE_BY_IF(stamp && lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
+  const float h = situ(gate, up, p.beta, p.linear_beta);
+  KX_MARK_TILE_AFTER_VALUE_BY_IF(stamp && lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
+  return h;
+}
+
+/* FC1: SiTU -> h, and each hidden row's max |h| for its quantization (publish_fc1_tile); tagged,
+ * the tile's block of each token quantized here and handed to FC2 as tagged words; for a unit
+ * whose tiles quantize (above), the same block quantized here into its row's codes. */
 template <bool kLocalX, bool kTagged>
 __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit &unit, const TileRef &ref,
                                const TileTokens &tt, unsigned long long call) {
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31, I = p.shape.inter;
   static_assert(32 % kStripRows == 0, "a token's rows are whole lane groups");
   static_assert(kFc1Pairs * kStripRows == kMxBlock, "a tile's hidden columns are one block: lane k = column k");
-  if constexpr (kTagged) {
-    /* a pass per token (MMA column i), lane k = column k. One token (local x) has its
-     * multiplier in every lane (run_epilogues), so its block's path to its tagged words holds
-     * no shuffle but the quantization's */
-    const int row = lane % kStripRows, pair = lane / kStripRows, count = kLocalX ? 1 : unit.count;
+  if (kTagged || tiles_quantize(p, unit)) {
+    /* a pass per token (MMA column i). One token (local x) has its multiplier in every lane
+     * (run_epilogues), so its block's path to its tagged words holds no shuffle but the
+     * quantization's */
+    const int count = kLocalX ? 1 : unit.count;
     for (int i = 0; i < count; ++i) {
       const float mult = kLocalX ? tt.mult : __shfl_sync(0xFFFFFFFFu, tt.mult, i);
-      const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
-      const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
-      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileSummed, gate + up);
-      const float h = situ(gate, up, p.beta, p.linear_beta);
-      KX_MARK_TILE_AFTER_VALUE_BY_IF(lane == 0, ref.unit * p.fc1.tiles + ref.tile, kMarkTileActivated, h);
-      /* FC1 tile f's 32 hidden columns are FC2's k-block f */
-      store_handoff_block(p.handoff + ((int64_t)(unit.row0 + i) * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock,
-                          h, p.hidden_floor, call);
+      const float h = fc1_token_h(p, reduce, unit, ref, i, mult, kTagged);
+      const int64_t r = unit.row0 + i;
+      if constexpr (kTagged) {
+        /* FC1 tile f's 32 hidden columns are FC2's k-block f */
+        store_handoff_block(p.handoff + (r * p.fc2.k_blocks + ref.tile) * kHandoffWordsPerBlock, h, p.hidden_floor,
+                            call);
+      } else {
+        uint8_t *codes = hidden_codes(p, r);
+        uint32_t scale, amax_bits;
+        codes[ref.tile * kMxBlock + lane] = (uint8_t)quantize_lanes(h, p.hidden_floor, &scale, &amax_bits);
+        if (lane == 0) {
+          codes[I + ref.tile] = (uint8_t)scale;
+          atomicMax(&p.sync->h_amax[r], amax_bits);
+        }
+      }
     }
   } else {
-    const int I = p.shape.inter, items = unit.count * kFc1Pairs * kStripRows;
+    const int items = unit.count * kFc1Pairs * kStripRows;
     for (int base = 0; base < items; base += 32) { /* uniform trip count: every lane shuffles */
       const int o = base + lane, row = o % kStripRows, pair = (o / kStripRows) % kFc1Pairs;
       const int token = (o < items ? o : items - 1) / (kStripRows * kFc1Pairs);
@@ -94,11 +133,54 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
   }
 }
 
-/* The CTA that finishes a unit's last FC1 tile quantizes its h and releases it (not for
- * block-scaled rows: their tiles hand their blocks over themselves). Returns whether this was
- * that tile (the marks stamp the release). */
+/* Where hidden block kb of row r goes for FC2's MMAs. */
+__device__ __forceinline__ uint8_t *hidden_block_dst(const Params &p, int64_t r, int kb) {
+  const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
+  return p.hq + hidden_block_row(p, c, r) * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes;
+}
+
+/* The finisher's two loops over a unit's hidden blocks, one block a lane a pass (a warp-uniform
+ * trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere); each issues its
+ * block's loads first. */
+__device__ __forceinline__ void quantize_unit_rows(const Params &p, const Unit &unit, const unsigned int *row_amax) {
+  const int lane = threadIdx.x & 31, I = p.shape.inter, kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
+  for (int base = 0; base < blocks; base += 32) {
+    const int b = base + lane;
+    if (b >= blocks) continue;
+    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
+    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
+    float v[kMxBlock];
+#pragma unroll
+    for (int i = 0; i < kMxBlock / 4; ++i) {
+      const float4 f = __ldcg(src + i);
+      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+    }
+    quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
+  }
+}
+
+__device__ __forceinline__ void fold_unit_codes(const Params &p, const Unit &unit, const unsigned int *row_amax) {
+  const int lane = threadIdx.x & 31, I = p.shape.inter, kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
+  for (int base = 0; base < blocks; base += 32) {
+    const int b = base + lane;
+    if (b >= blocks) continue;
+    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const uint8_t *codes = hidden_codes(p, r);
+    const uint4 *src = reinterpret_cast<const uint4 *>(codes + kb * kMxBlock);
+    const uint4 lo = __ldcg(src), hi = __ldcg(src + 1);
+    const uint32_t scale = __ldcg(codes + I + kb);
+    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
+    const uint32_t q[kMxBlock / 4] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    fold_store(q, scale, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
+  }
+}
+
+/* The CTA that finishes a unit's last FC1 tile quantizes its h (or folds its codes) into hq and
+ * releases it (not for block-scaled rows: their tiles hand their blocks over themselves).
+ * Returns whether this was that tile (the marks stamp the release). */
 __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRef &ref, unsigned long long call) {
-  const int lane = threadIdx.x & 31, I = p.shape.inter;
+  const int lane = threadIdx.x & 31;
   int last = 0;
   if (lane == 0) {
     fence_acq_rel_gpu(); /* release this tile's h */
@@ -115,25 +197,8 @@ __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
    * block's row's with its h (plain loads, one round trip for both) */
   const unsigned int *row_amax = p.sync->h_amax + unit.row0;
   const float my_amax = lane < unit.count ? __uint_as_float(__ldcg(row_amax + lane)) : 0.0f;
-  const int kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
-  /* a warp-uniform trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere */
-  for (int base = 0; base < blocks; base += 32) {
-    const int b = base + lane;
-    if (b >= blocks) continue;
-    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
-    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
-    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
-    float v[kMxBlock];
-#pragma unroll
-    for (int i = 0; i < kMxBlock / 4; ++i) {
-      const float4 f = __ldcg(src + i);
-      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-    }
-    const int c = kb / p.fc2.chunk_kb, in_chunk = kb - c * p.fc2.chunk_kb;
-    const int64_t block_row = hidden_block_row(p, c, r);
-    quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor),
-                   p.hq + block_row * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes);
-  }
+  if (tiles_quantize(p, unit)) fold_unit_codes(p, unit, row_amax);
+  else quantize_unit_rows(p, unit, row_amax);
   __syncwarp(); /* every lane has read the rows' max |h| */
   /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */
   if (lane < unit.count) {

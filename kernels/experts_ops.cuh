@@ -67,16 +67,23 @@ __device__ __forceinline__ void store_fragment_block(const uint32_t (&pairs)[kMx
   for (int t = 0; t < 4; ++t) d[t] = make_uint4(pairs[t], pairs[t + 4], pairs[t + 8], pairs[t + 12]);
 }
 
-/* Quantizes one block of 32 fp32 to MXFP8 and stores it for the MMAs: the 32 codes times
- * 2^(e - ref_exp) as f16 (store_fragment_block). A NaN block's codes are NaN. */
-__device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, int ref_exp,
-                                               uint8_t *dst) {
-  uint32_t q[kMxBlock / 4];
-  const FoldF16 fold = fold_f16((int)quantize_block32(v, floor_mode, q) - kE8m0Bias, ref_exp);
+/* Stores an MXFP8 block (q: 32 e4m3 codes, 4 a word; scale: its E8M0 byte) for the MMAs: the
+ * codes times 2^(e - ref_exp) as f16 (store_fragment_block). A NaN block's codes are NaN. */
+__device__ __forceinline__ void fold_store(const uint32_t (&q)[kMxBlock / 4], uint32_t scale, int ref_exp,
+                                           uint8_t *dst) {
+  const FoldF16 fold = fold_f16((int)scale - kE8m0Bias, ref_exp);
   uint32_t pairs[kMxBlock / 2];
 #pragma unroll
   for (int k = 0; k < kMxBlock / 2; ++k) pairs[k] = folded_f16x2(q[k / 2] >> 16 * (k % 2), fold);
   store_fragment_block(pairs, dst);
+}
+
+/* One block of 32 fp32 quantized to MXFP8 and stored as fold_store stores it. */
+__device__ __forceinline__ void quantize_store(const float (&v)[kMxBlock], bool floor_mode, int ref_exp,
+                                               uint8_t *dst) {
+  uint32_t q[kMxBlock / 4];
+  const uint32_t scale = quantize_block32(v, floor_mode, q);
+  fold_store(q, scale, ref_exp, dst);
 }
 
 /* A block of x: its 32 bf16 as 16 words (element 2k in word k's low half) and the largest of
@@ -125,11 +132,14 @@ __device__ __forceinline__ void quantize_store_x(const XBlock &b, int ref_exp, u
 }
 
 /* The same block spread over a warp, lane k holding element k: returns its e4m3 code and
- * sets *scale to the block's E8M0 byte, bit for bit quantize_block32's. */
-__device__ __forceinline__ uint32_t quantize_lanes(float v, bool floor_mode, uint32_t *scale) {
+ * sets *scale to the block's E8M0 byte, bit for bit quantize_block32's (and *amax_bits, if given,
+ * to the block's max |v| as fp32 bits). */
+__device__ __forceinline__ uint32_t quantize_lanes(float v, bool floor_mode, uint32_t *scale,
+                                                   uint32_t *amax_bits = nullptr) {
   /* |v| bits order like |v|; Inf and NaN above all. One warp reduction, not five shuffles: on
    * the one-token hand-off's path, where each shuffle queues behind the MMA warps' shared loads */
   const uint32_t m = __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(v) & 0x7FFFFFFFu);
+  if (amax_bits) *amax_bits = m;
   const bool finite = m < 0x7F800000u;
   const int e = finite ? mxfp8_exponent(__uint_as_float(m), floor_mode) : 0;
   *scale = finite ? (uint32_t)(e + kE8m0Bias) : kE8m0Nan;
