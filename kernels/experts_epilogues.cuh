@@ -139,40 +139,36 @@ __device__ __forceinline__ uint8_t *hidden_block_dst(const Params &p, int64_t r,
   return p.hq + hidden_block_row(p, c, r) * block_row_bytes(p.fc2) + in_chunk * kActBlockBytes;
 }
 
-/* The finisher's two loops over a unit's hidden blocks, one block a lane a pass (a warp-uniform
- * trip count: as a plain strided loop ptxas spilled 28 bytes elsewhere); each issues its
- * block's loads first. */
-__device__ __forceinline__ void quantize_unit_rows(const Params &p, const Unit &unit, const unsigned int *row_amax) {
+/* The finisher's loop over a unit's hidden blocks, one block a lane a pass (a warp-uniform trip
+ * count: as a plain strided loop ptxas spilled 28 bytes elsewhere): each block's loads first, then
+ * its fp32 h quantized, or (kCodes) its codes folded, into hq. One instance per kind, so neither
+ * loop holds the other's branch. */
+template <bool kCodes>
+__device__ __forceinline__ void finish_unit_blocks(const Params &p, const Unit &unit, const unsigned int *row_amax) {
   const int lane = threadIdx.x & 31, I = p.shape.inter, kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
   for (int base = 0; base < blocks; base += 32) {
     const int b = base + lane;
     if (b >= blocks) continue;
     const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
-    const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
-    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
-    float v[kMxBlock];
+    if constexpr (kCodes) {
+      const uint8_t *codes = hidden_codes(p, r);
+      const uint4 *src = reinterpret_cast<const uint4 *>(codes + kb * kMxBlock);
+      const uint4 lo = __ldcg(src), hi = __ldcg(src + 1);
+      const uint32_t scale = __ldcg(codes + I + kb);
+      const float amax = __uint_as_float(__ldcg(row_amax + row_i));
+      const uint32_t q[kMxBlock / 4] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      fold_store(q, scale, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
+    } else {
+      const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
+      const float amax = __uint_as_float(__ldcg(row_amax + row_i));
+      float v[kMxBlock];
 #pragma unroll
-    for (int i = 0; i < kMxBlock / 4; ++i) {
-      const float4 f = __ldcg(src + i);
-      v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+      for (int i = 0; i < kMxBlock / 4; ++i) {
+        const float4 f = __ldcg(src + i);
+        v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+      }
+      quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
     }
-    quantize_store(v, p.hidden_floor, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
-  }
-}
-
-__device__ __forceinline__ void fold_unit_codes(const Params &p, const Unit &unit, const unsigned int *row_amax) {
-  const int lane = threadIdx.x & 31, I = p.shape.inter, kb_per_row = I / kMxBlock, blocks = unit.count * kb_per_row;
-  for (int base = 0; base < blocks; base += 32) {
-    const int b = base + lane;
-    if (b >= blocks) continue;
-    const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
-    const uint8_t *codes = hidden_codes(p, r);
-    const uint4 *src = reinterpret_cast<const uint4 *>(codes + kb * kMxBlock);
-    const uint4 lo = __ldcg(src), hi = __ldcg(src + 1);
-    const uint32_t scale = __ldcg(codes + I + kb);
-    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
-    const uint32_t q[kMxBlock / 4] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    fold_store(q, scale, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
   }
 }
 
@@ -197,8 +193,8 @@ __device__ bool publish_fc1_tile(const Params &p, const Unit &unit, const TileRe
    * block's row's with its h (plain loads, one round trip for both) */
   const unsigned int *row_amax = p.sync->h_amax + unit.row0;
   const float my_amax = lane < unit.count ? __uint_as_float(__ldcg(row_amax + lane)) : 0.0f;
-  if (tiles_quantize(p, unit)) fold_unit_codes(p, unit, row_amax);
-  else quantize_unit_rows(p, unit, row_amax);
+  if (tiles_quantize(p, unit)) finish_unit_blocks<true>(p, unit, row_amax);
+  else finish_unit_blocks<false>(p, unit, row_amax);
   __syncwarp(); /* every lane has read the rows' max |h| */
   /* the rows' multipliers for the FC2 epilogues; their max |h| back to 0 for the next call */
   if (lane < unit.count) {
