@@ -54,9 +54,8 @@ __device__ __forceinline__ TileTokens tile_tokens(const Params &p, const Routing
  * finisher quantizes, or, for units of more than kFinisherBlocks hidden blocks, as MXFP8 that
  * each FC1 tile quantized itself, which the finisher only folds: the finisher is one warp, so
  * quantizing Mixtral 8x22B TP8's 512-block units there took it 17-56 us (session 57), while a
- * small unit's tiles would put the quantization on every tile's epilogue for no finisher pass
- * saved (+1.5-3.6 % at k3-tp8 B = 4 and TP16 B = 8 combined, v91). The codes take the first I
- * bytes of the row's 4 I, its block scales the next I / 32. */
+ * small unit's finisher takes one or two passes either way, which its tiles' quantization would
+ * not shorten. The codes take the first I bytes of the row's 4 I, its block scales the next I / 32. */
 constexpr int kFinisherBlocks = 64;
 
 __device__ __forceinline__ bool tiles_quantize(const Params &p, const Unit &unit) {
