@@ -1,7 +1,8 @@
 """Same-machine A/B timing of built trees of this repository.
 
     python benchmarks/compare_builds.py TREE [TREE ...] [--passes 3] [--shapes k3-tp8,tp16] [--build]
-                                        [--pads 0,144,256] [--warmup-ms T] [--combine] [--routing uniform]
+                                        [--pads 0,144,256] [--copies DIR] [--warmup-ms T] [--combine]
+                                        [--routing uniform]
 
 Runs benchmarks/bench_experts.py from each TREE in turn (with that tree's kimi_experts on
 PYTHONPATH), --passes rounds, and prints per shape and B every tree's times and the change of
@@ -13,8 +14,12 @@ under --warmup-ms, two runs of two trees in a fixed order, one in each order, re
 1.9-3.1 % slower for whichever tree ran second in a pass (session 49, calls 4-5); a fixed order puts
 such drift on one tree alone, an alternating one on both. Run an even number of passes there.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --pads builds a
-copy of each tree per pad instead (KIMI_EXPERTS_PLACEMENT_PAD, setup.py), times every copy as a
-tree, and prints a second table: per tree the median over its pads of each copy's fastest pass.
+copy of each tree per pad instead (KIMI_EXPERTS_PLACEMENT_PAD, setup.py), all at once (ten copies:
+26 s on the GPU machine's 16 cores, ~190 s one after another), times every copy as a tree, and
+prints a second table: per tree the median over its pads of each copy's fastest pass. --copies DIR
+keeps the copies there (default: a temporary folder), and a later run reuses each copy whose tree
+has the same sources (common.source_digest) and pad: the rows and the fused combine of one set of
+trees are built once.
 Where the experts kernel's epilogue and producer code lands against its MMA loops' moved the fused
 combine at k3-tp8 / TP16 B = 4-8 by up to 3.6 % with no change of logic (session 58), so a change
 that grows or shrinks that code is read over several placements, not at the one it happens to get.
@@ -33,6 +38,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import source_digest  # noqa: E402
 
 
 def tree_names(trees: list[str]) -> list[str]:
@@ -41,10 +50,14 @@ def tree_names(trees: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else list(trees)
 
 
-def build(tree: str, pad: int = 0) -> None:
+def build(tree: str, pad: int = 0, jobs: int = 0) -> None:
+    """setup.py build_ext --inplace in tree with placement pad `pad` (and `jobs` nvcc processes,
+    0: setup.py's default); its log goes to tree/build/compare_builds.log."""
     log = os.path.join(tree, "build", "compare_builds.log")  # build/ is ignored by git
     os.makedirs(os.path.dirname(log), exist_ok=True)
     env = dict(os.environ, KIMI_EXPERTS_PLACEMENT_PAD=str(pad))
+    if jobs:
+        env["KIMI_EXPERTS_JOBS"] = str(jobs)
     with open(log, "w") as f:
         done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
                               stdout=f, stderr=subprocess.STDOUT)
@@ -52,11 +65,29 @@ def build(tree: str, pad: int = 0) -> None:
         sys.exit(f"building {tree} failed: see {log}")
 
 
-def padded_copy(tree: str, pad: int, dst: str) -> str:
-    """tree's sources copied to dst (no git data, builds or results) and built with pad."""
-    shutil.copytree(tree, dst, ignore=shutil.ignore_patterns(".git", ".dev", "build", "results", "*.so"))
-    build(dst, pad)
-    return dst
+def padded_copies(order: list[tuple[str, str]], pads: list[int], root: str) -> list[tuple[str, str]]:
+    """(copy, "name@pad") for every (tree, name) in order and pad: tree's sources (no git data,
+    builds or results) copied to root/INDEX@PAD and built there, all at once, each with at least
+    4 nvcc processes (oversubscribed: ten copies so took 26 s on 16 cores, session 59). A copy
+    whose stamp says it was built from the same sources with the same pad is kept as it is."""
+    copies, todo = [], []
+    for i, (tree, name) in enumerate(order):
+        digest = source_digest(tree)
+        for pad in pads:
+            dst = os.path.join(root, f"{i}@{pad}")
+            stamp, text = os.path.join(dst, "build", "compare_builds.stamp"), f"{digest} pad {pad}"
+            if not (os.path.isfile(stamp) and open(stamp).read() == text):
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(tree, dst, ignore=shutil.ignore_patterns(".git", ".dev", "build", "results", "*.so"))
+                todo.append((dst, pad, stamp, text))
+                print(f"building {name} with placement pad {pad} in {dst}", file=sys.stderr, flush=True)
+            copies.append((dst, f"{name}@{pad}"))
+    jobs = max(4, (os.cpu_count() or 1) // max(1, len(todo)))
+    with ThreadPoolExecutor(max(1, len(todo))) as pool:
+        for (_, _, stamp, text), _ in zip(todo, pool.map(lambda t: build(t[0], t[1], jobs), todo)):
+            with open(stamp, "w") as f:  # only once its build succeeded: a failed one is rebuilt next time
+                f.write(text)
+    return copies
 
 
 def bench(tree: str, shapes: str, batches: str | None, out: str, warmup_ms: float = 0.0, combine: bool = False,
@@ -126,6 +157,7 @@ def main():
     ap.add_argument("--batches", help="only these B (bench_experts.py --batches)")
     ap.add_argument("--build", action="store_true", help="build each tree in place first")
     ap.add_argument("--pads", help="comma-separated placement pads: a built copy of each tree per pad")
+    ap.add_argument("--copies", help="with --pads: keep the copies in this folder, reusing those still current")
     ap.add_argument("--warmup-ms", type=float, default=0.0, help="bench_experts.py --warmup-ms")
     ap.add_argument("--combine", action="store_true", help="bench_experts.py --combine")
     ap.add_argument("--routing", default="uniform", help="bench_experts.py --routing")
@@ -144,14 +176,13 @@ def main():
     times: dict = {}
     hbm: dict = {}
     order = list(zip(args.trees, names))
+    if args.copies and not pads:
+        ap.error("--copies keeps the copies that --pads builds")
     with tempfile.TemporaryDirectory() as tmp:
         if pads:
-            copies = []
-            for i, (tree, name) in enumerate(order):
-                for pad in pads:
-                    print(f"building {name} with placement pad {pad}", file=sys.stderr, flush=True)
-                    copies.append((padded_copy(tree, pad, os.path.join(tmp, f"{i}@{pad}")), f"{name}@{pad}"))
-            order = copies
+            root = args.copies or os.path.join(tmp, "copies")
+            os.makedirs(root, exist_ok=True)
+            order = padded_copies(order, pads, root)
         for p in range(args.passes):
             for tree, name in order if p % 2 == 0 else order[::-1]:
                 print(f"pass {p + 1}/{args.passes}: {name}", file=sys.stderr, flush=True)

@@ -100,3 +100,77 @@ json.dump({{"rows": [{{"shape": "tp16", "B": 2, "us": 3.0}}]}}, open(sys.argv[sy
     subprocess.run([sys.executable, str(SCRIPT), str(tree), "--passes", "1", "--shapes", "tp16",
                     "--routing", "zipf-1.2"], capture_output=True, text=True, check=True)
     assert (tree / "argv").read_text().splitlines()[4].endswith(" --routing zipf-1.2")
+
+
+def test_placement_table_takes_each_trees_median_over_its_pads():
+    times = {("tp16", 8): {"a@0": [40.0, 39.0], "a@144": [41.0], "a@256": [39.5],
+                           "b@0": [38.0], "b@144": [40.0, 39.8], "b@256": [41.0]}}
+    lines = compare_builds.placement_table(times, ["a", "b"], [0, 144, 256])
+    assert lines == ["shape B | median over pads 0,144,256: a | b", "tp16 8 | 39.50 | 39.80 (+0.8 %)"]
+
+
+def _padded_tree(root, base_us, builds):
+    """A tree whose setup.py logs the pad and nvcc jobs it was built with and counts its builds in
+    `builds` (shared by all trees), and whose bench_experts.py reports base_us + pad / 100."""
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "kimi_experts").mkdir()
+    (root / "kimi_experts" / "version.py").write_text("V = 1\n")
+    (root / "setup.py").write_text(f"""
+import os
+os.makedirs("build", exist_ok=True)
+open("build/pad", "w").write(os.environ["KIMI_EXPERTS_PLACEMENT_PAD"] + " " + os.environ["KIMI_EXPERTS_JOBS"])
+open({str(builds)!r}, "a").write(os.getcwd() + "\\n")
+""")
+    (root / "benchmarks" / "bench_experts.py").write_text(f"""
+import json, sys
+pad = int(open("build/pad").read().split()[0])
+json.dump({{"rows": [{{"shape": "tp16", "B": 8, "us": {base_us} + pad / 100}}]}},
+          open(sys.argv[sys.argv.index("--out") + 1], "w"))
+""")
+    return root
+
+
+def test_pads_build_every_copy_once_and_reuse_current_ones(tmp_path):
+    builds = tmp_path / "builds"
+    a = _padded_tree(tmp_path / "a", 40.0, builds)
+    b = _padded_tree(tmp_path / "b", 39.0, builds)
+    copies = tmp_path / "copies"
+    cmd = [sys.executable, str(SCRIPT), str(a), str(b), "--pads", "0,144", "--copies", str(copies),
+           "--passes", "1", "--shapes", "tp16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["shape B | a@0 | a@144 | b@0 | b@144",
+                                        "tp16 8 | 40.00 | 41.44 (+3.6 %) | 39.00 (-2.5 %) | 40.44 (+1.1 %)",
+                                        "HBM read TB/s, each pass | ? | ? | ? | ?",
+                                        "shape B | median over pads 0,144: a | b",
+                                        "tp16 8 | 40.72 | 39.72 (-2.5 %)"]
+    assert sorted(builds.read_text().split()) == sorted(str(copies / c) for c in ("0@0", "0@144", "1@0", "1@144"))
+    assert all((copies / c / "build" / "pad").read_text().split()[0] == c.split("@")[1] for c in ("0@144", "1@0"))
+    assert int((copies / "0@0" / "build" / "pad").read_text().split()[1]) >= 4  # nvcc jobs, each copy
+    # the same sources: nothing is rebuilt; a tree's sources changed: its copies are
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert len(builds.read_text().split()) == 4
+    (b / "kimi_experts" / "version.py").write_text("V = 2\n")
+    again = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    assert sorted(builds.read_text().split()[4:]) == [str(copies / "1@0"), str(copies / "1@144")]
+    assert again.stdout.splitlines()[1] == done.stdout.splitlines()[1]
+
+
+def test_a_failed_copy_stops_the_run_and_is_rebuilt_next_time(tmp_path):
+    builds = tmp_path / "builds"
+    a = _padded_tree(tmp_path / "a", 40.0, builds)
+    (a / "setup.py").write_text((a / "setup.py").read_text() + "raise SystemExit('no compiler')\n")
+    copies = tmp_path / "copies"
+    cmd = [sys.executable, str(SCRIPT), str(a), "--pads", "8", "--copies", str(copies), "--passes", "1",
+           "--shapes", "tp16"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode != 0 and done.stdout == ""
+    assert f"building {copies / '0@8'} failed" in done.stderr
+    assert not (copies / "0@8" / "build" / "compare_builds.stamp").exists()
+    subprocess.run(cmd, capture_output=True, text=True)
+    assert len(builds.read_text().split()) == 2
+
+
+def test_copies_needs_pads(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--copies", str(tmp_path / "c")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--copies keeps the copies that --pads builds" in done.stderr
