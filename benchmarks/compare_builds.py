@@ -14,12 +14,12 @@ under --warmup-ms, two runs of two trees in a fixed order, one in each order, re
 1.9-3.1 % slower for whichever tree ran second in a pass (session 49, calls 4-5); a fixed order puts
 such drift on one tree alone, an alternating one on both. Run an even number of passes there.
 --build first builds each tree in place (`python setup.py build_ext --inplace`). --pads builds a
-copy of each tree per pad instead (KIMI_EXPERTS_PLACEMENT_PAD, setup.py), all at once (ten copies:
-26 s on the GPU machine's 16 cores, ~190 s one after another), times every copy as a tree, and
-prints a second table: per tree the median over its pads of each copy's fastest pass. --copies DIR
-keeps the copies there (default: a temporary folder), and a later run reuses each copy whose tree
-has the same sources (common.source_digest) and pad: the rows and the fused combine of one set of
-trees are built once.
+copy of each tree per pad instead (KIMI_EXPERTS_PLACEMENT_PAD, setup.py), all at once (session
+59's script built ten so in 26 s on the GPU machine's 16 cores; one after another ~190 s), times
+every copy as a tree, and prints a second table: per tree the median over its pads of each copy's
+fastest pass. --copies DIR keeps the copies there (default: a temporary folder), and a later run
+reuses each copy whose tree has the same sources (common.source_digest) and pad: the rows and the
+fused combine of one set of trees are built once.
 Where the experts kernel's epilogue and producer code lands against its MMA loops' moved the fused
 combine at k3-tp8 / TP16 B = 4-8 by up to 3.6 % with no change of logic (session 58), so a change
 that grows or shrinks that code is read over several placements, not at the one it happens to get.
@@ -68,7 +68,7 @@ def build(tree: str, pad: int = 0, jobs: int = 0) -> None:
 def padded_copies(order: list[tuple[str, str]], pads: list[int], root: str) -> list[tuple[str, str]]:
     """(copy, "name@pad") for every (tree, name) in order and pad: tree's sources (no git data,
     builds or results) copied to root/INDEX@PAD and built there, all at once, each with at least
-    4 nvcc processes (oversubscribed: ten copies so took 26 s on 16 cores, session 59). A copy
+    4 nvcc processes (oversubscribed: session 59's script built ten copies so in 26 s on 16 cores). A copy
     whose stamp says it was built from the same sources with the same pad is kept as it is."""
     copies, todo = [], []
     for i, (tree, name) in enumerate(order):
