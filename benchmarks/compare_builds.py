@@ -84,8 +84,10 @@ def padded_copies(order: list[tuple[str, str]], pads: list[int], root: str) -> l
             copies.append((dst, f"{name}@{pad}"))
     jobs = max(4, (os.cpu_count() or 1) // max(1, len(todo)))
     with ThreadPoolExecutor(max(1, len(todo))) as pool:
-        for (_, _, stamp, text), _ in zip(todo, pool.map(lambda t: build(t[0], t[1], jobs), todo)):
-            with open(stamp, "w") as f:  # only once its build succeeded: a failed one is rebuilt next time
+        builds = [pool.submit(build, dst, pad, jobs) for dst, pad, _, _ in todo]
+        for (_, _, stamp, text), built in zip(todo, builds):
+            built.result()  # a failed build's exit stops the run here, its copy left without a stamp
+            with open(stamp, "w") as f:  # so that a failed copy is rebuilt next time
                 f.write(text)
     return copies
 
