@@ -171,6 +171,8 @@ def main():
         ap.error(f"--pads takes comma-separated instruction counts, not {args.pads!r}")
     if any(pad < 0 for pad in pads):
         ap.error("--pads: a pad is a count of instructions, 0 or more")
+    if args.copies and not pads:
+        ap.error("--copies keeps the copies that --pads builds")
     if args.build and not pads:
         for tree in args.trees:
             print(f"building {tree}", file=sys.stderr, flush=True)
@@ -178,8 +180,6 @@ def main():
     times: dict = {}
     hbm: dict = {}
     order = list(zip(args.trees, names))
-    if args.copies and not pads:
-        ap.error("--copies keeps the copies that --pads builds")
     with tempfile.TemporaryDirectory() as tmp:
         if pads:
             root = args.copies or os.path.join(tmp, "copies")
