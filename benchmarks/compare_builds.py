@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import source_digest  # noqa: E402
@@ -76,7 +77,7 @@ def padded_copies(order: list[tuple[str, str]], pads: list[int], root: str) -> l
         for pad in pads:
             dst = os.path.join(root, f"{i}@{pad}")
             stamp, text = os.path.join(dst, "build", "compare_builds.stamp"), f"{digest} pad {pad}"
-            if not (os.path.isfile(stamp) and open(stamp).read() == text):
+            if not (os.path.isfile(stamp) and Path(stamp).read_text() == text):
                 shutil.rmtree(dst, ignore_errors=True)
                 shutil.copytree(tree, dst, ignore=shutil.ignore_patterns(".git", ".dev", "build", "results", "*.so"))
                 todo.append((dst, pad, stamp, text))
