@@ -149,17 +149,16 @@ __device__ __forceinline__ void finish_unit_blocks(const Params &p, const Unit &
     const int b = base + lane;
     if (b >= blocks) continue;
     const int row_i = b / kb_per_row, r = unit.row0 + row_i, kb = b - row_i * kb_per_row;
+    const float amax = __uint_as_float(__ldcg(row_amax + row_i));
     if constexpr (kCodes) {
       const uint8_t *codes = hidden_codes(p, r);
       const uint4 *src = reinterpret_cast<const uint4 *>(codes + kb * kMxBlock);
       const uint4 lo = __ldcg(src), hi = __ldcg(src + 1);
       const uint32_t scale = __ldcg(codes + I + kb);
-      const float amax = __uint_as_float(__ldcg(row_amax + row_i));
       const uint32_t q[kMxBlock / 4] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
       fold_store(q, scale, act_reference_exponent(amax, p.hidden_floor), hidden_block_dst(p, r, kb));
     } else {
       const float4 *src = reinterpret_cast<const float4 *>(p.h + (int64_t)r * I + kb * kMxBlock);
-      const float amax = __uint_as_float(__ldcg(row_amax + row_i));
       float v[kMxBlock];
 #pragma unroll
       for (int i = 0; i < kMxBlock / 4; ++i) {
