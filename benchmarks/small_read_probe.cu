@@ -54,13 +54,36 @@ constexpr int kBuffers = 8;
 enum class Follow { kWait, kEarly, kSerial };
 const char *follow_name(Follow f) { return f == Follow::kWait ? "wait" : f == Follow::kEarly ? "early" : "serial"; }
 
+__device__ __forceinline__ void spin_cycles(int cycles) {
+  const long long t0 = kx::clock_now();
+  while (kx::clock_now() - t0 < cycles) {
+  }
+}
+
+/* ~`work` integer instructions on a loaded vector in two dependent chains (IMAD, SHF, LOP3), standing
+ * for a layer's math on 16 bytes of its weights: the experts kernel's one-token MMA warps issue ~30
+ * a 16-byte vector (~61 a warp for each of a 17 KB chunk's 34 warp-vectors, session 43). */
+__device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
+  uint32_t a = acc ^ v.x, b = v.y, c = v.z, d = v.w;
+#pragma unroll 1
+  for (int k = 0; k < work; k += 8) {
+    a = a * 0x9E3779B1u + b;
+    b = __funnelshift_l(b, c, 5) ^ a;
+    c = c * 0x85EBCA77u + d;
+    d = __funnelshift_l(d, a, 7) ^ c;
+  }
+  return a ^ b ^ c ^ d;
+}
+
 /* sliced: CTA c reads its own contiguous slice [c n / grid, (c + 1) n / grid), as the experts
- * kernel's CTAs read their items; else the whole grid strides over the buffer. */
+ * kernel's CTAs read their items; else the whole grid strides over the buffer. start_cycles: a spin
+ * after the wait (a layer's routing); work: instructions on each vector (work_on). */
 template <int kInFlight>
 __global__ void __launch_bounds__(kThreads) chained_read(const uint4 *data, int64_t n_vec, uint32_t *sink,
-                                                        int wait_first, int sliced) {
+                                                        int wait_first, int sliced, int start_cycles, int work) {
   kx::allow_dependents();
   if (wait_first) kx::wait_for_predecessor();
+  spin_cycles(start_cycles);
   uint32_t acc = 0;
   if (sliced) {
     const int64_t begin = blockIdx.x * n_vec / gridDim.x, end = (blockIdx.x + 1) * n_vec / gridDim.x;
@@ -74,12 +97,9 @@ __global__ void __launch_bounds__(kThreads) chained_read(const uint4 *data, int6
 #pragma unroll
     for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(data + i + j * stride);
 #pragma unroll
-    for (int j = 0; j < kInFlight; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], work);
   }
-  for (; i < n_vec; i += stride) {
-    const uint4 a = __ldcs(data + i);
-    acc ^= a.x ^ a.y ^ a.z ^ a.w;
-  }
+  for (; i < n_vec; i += stride) acc = work_on(acc, __ldcs(data + i), work);
   if (acc == 0x9e3779b9u) *sink = acc; /* practically never taken; keeps the loads */
 }
 
@@ -126,12 +146,6 @@ __device__ __forceinline__ const uint8_t *chunk_at(const RingArgs &a, int64_t c)
   if (!a.experts) return a.data + c * a.chunk;
   const int64_t e = a.experts[c / a.expert_chunks];
   return a.data + (e * a.expert_chunks + c % a.expert_chunks) * a.chunk;
-}
-
-__device__ __forceinline__ void spin_cycles(int cycles) {
-  const long long t0 = kx::clock_now();
-  while (kx::clock_now() - t0 < cycles) {
-  }
 }
 
 /* The claimed deal's next chunk of this launch, or -1 once they are all taken. */
@@ -224,6 +238,7 @@ struct Case {
   int chunk;                              /* the ring's bytes a copy */
   int cluster, start_cycles, pace_cycles; /* the ring's cluster size and spins */
   int first_wave;                         /* the ring's (RingArgs) */
+  int work;                               /* the loads': instructions a vector (work_on) */
 };
 
 struct Result {
@@ -265,7 +280,7 @@ template <int kInFlight>
 void launch(const Case &c, int sms, const uint4 *data, int64_t n_vec, uint32_t *sink, cudaStream_t s) {
   const ChainedLaunch l(c.follow, (unsigned)(c.ctas_per_sm * sms), kThreads, 0, 1, s);
   CHECK(cudaLaunchKernelEx(&l.cfg, chained_read<kInFlight>, data, n_vec, sink, c.follow == Follow::kWait ? 1 : 0,
-                           c.deal == Deal::kSliced ? 1 : 0));
+                           c.deal == Deal::kSliced ? 1 : 0, c.start_cycles, c.work));
 }
 
 std::string describe(const Case &c) {
@@ -384,9 +399,35 @@ int main(int argc, char **argv) {
   b.sink = sink.as<uint32_t>();
   b.tickets = tickets.as<unsigned>();
   const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+  const bool loads_work = argc > 1 && strcmp(argv[1], "--loads-work") == 0;
 
   CHECK(cudaFuncSetAttribute(chained_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingSmem));
   printf("%d SMs; HBM read over 4 GiB: %.3f TB/s (the floor's bandwidth)\n", b.sms, floor_TBps);
+  if (loads_work) {
+    /* B = 1's bytes read by plain loads with a layer's start and math on them (no ring: each warp
+     * goes at its own pace), beside the ring with the experts kernel's start and pace. */
+    const int64_t bytes = sizes[0].bytes;
+    const double floor_us = (double)bytes / (floor_TBps * 1e12) * 1e6;
+    printf("\n%s after a wait, 8 launches a graph; us (x floor %.2f us)\n", sizes[0].name, floor_us);
+    for (Deal deal : {Deal::kStrided, Deal::kSliced})
+      for (int pace : {0, 720}) {
+        const Case c{0, 4, Follow::kWait, 1, deal, 16384, 1, 2000, pace, 0};
+        const float us = time_case(c, b, bytes);
+        printf("    ring    %-7s 4 stages of 16 KB  start 2000 pace %3d          -> %7.2f %6.3f\n", deal_name(deal),
+               pace, us, us / floor_us);
+      }
+    for (Deal deal : {Deal::kStrided, Deal::kSliced})
+      for (int cps : {1, 2, 4})
+        for (int inf : {4, 8})
+          for (int start : {0, 2000})
+            for (int work : {0, 32, 64, 128}) {
+              const Case c{cps, inf, Follow::kWait, 1, deal, 0, 1, start, 0, 0, work};
+              const float us = time_case(c, b, bytes);
+              printf("    loads   %-7s %d CTAs/SM, %d in flight  start %4d work %3d  -> %7.2f %6.3f\n",
+                     deal_name(deal), cps, inf, start, work, us, us / floor_us);
+            }
+    return 0;
+  }
   for (const Size &z : sizes) {
     const double floor_us = (double)z.bytes / (floor_TBps * 1e12) * 1e6;
     std::vector<Result> results;
