@@ -1,0 +1,181 @@
+/* one_token_probe.cu: the skeleton of a one-token (B = 1) experts path without a ring, timed on
+ * k3-tp8's bytes, to ask whether such a path could meet B = 1's bar before anyone builds it. A
+ * stand-alone study (not part of the library build):
+ *
+ *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels -Ibenchmarks \
+ *        benchmarks/one_token_probe.cu kernels/probe.cu -o /tmp/one_token_probe && /tmp/one_token_probe
+ *
+ * The path it stands for: after the wait and the routing (a spin of `start` cycles), every warp
+ * loads FC1's FP4 words straight into registers (16-byte loads, strided over the grid) and does its
+ * math on them (`work` instructions a vector, small_read_probe's work_on), while one bulk copy a CTA
+ * brings the CTA's share of every routed expert's FC2 weights into shared memory. Once its FC1 is
+ * done a CTA counts itself on a grid-wide counter, waits for every CTA's count (the hand-off of the
+ * hidden rows, which every CTA needs), and then does the FC2 math of its share of the last expert
+ * (`tail` cycles standing for SiTU, the hidden block's quantization and the row sums, then `work`
+ * on each 16-byte vector of that share). Timed as the benchmarks time a layer: a CUDA graph of 8
+ * launches over 8 buffers (nothing stays in L2), programmatic dependent launch, median of replays.
+ * Weights are bytes only and the math's results go nowhere: timing, not correctness.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <vector>
+
+#include "harness.cuh"
+#include "pipeline.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kBuffers = 8;
+constexpr int kExperts = 16;                      /* k3-tp8 B = 1: 16 routed experts */
+constexpr int64_t kFc1Bytes = 1462272;            /* an expert's FC1: 768 x 3584 FP4 + scales */
+constexpr int64_t kFc2Bytes = 731136;             /* an expert's FC2: 3584 x 384 FP4 + scales */
+
+__device__ __forceinline__ void spin_cycles(int cycles) {
+  const long long t0 = kx::clock_now();
+  while (kx::clock_now() - t0 < cycles) {
+  }
+}
+
+/* ~`work` integer instructions on a vector in two dependent chains (as small_read_probe's). */
+__device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
+  uint32_t a = acc ^ v.x, b = v.y, c = v.z, d = v.w;
+#pragma unroll 1
+  for (int k = 0; k < work; k += 8) {
+    a = a * 0x9E3779B1u + b;
+    b = __funnelshift_l(b, c, 5) ^ a;
+    c = c * 0x85EBCA77u + d;
+    d = __funnelshift_l(d, a, 7) ^ c;
+  }
+  return a ^ b ^ c ^ d;
+}
+
+struct Args {
+  const uint4 *fc1;     /* every expert's FC1, contiguous */
+  int64_t fc1_vec;
+  const uint8_t *fc2;   /* every expert's FC2, contiguous, after FC1 */
+  int share;            /* bytes of FC2 a CTA holds (a multiple of 16) */
+  int fc2_by_copy;      /* 0: FC2 streamed by the loads as FC1, no share, no hand-off */
+  int handoff;          /* the grid-wide count and wait before the tail */
+  int start, work, tail;
+  unsigned *counter;
+  uint32_t *sink;
+};
+
+template <int kInFlight>
+__global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
+  extern __shared__ __align__(128) uint4 share[];
+  __shared__ uint64_t landed;
+  if (threadIdx.x == 0) {
+    kx::mbar_init(&landed, 1);
+    kx::fence_barrier_init();
+  }
+  __syncthreads();
+  kx::allow_dependents();
+  kx::wait_for_predecessor();
+  spin_cycles(a.start);
+  if (a.fc2_by_copy && threadIdx.x == 0) {
+    kx::mbar_arrive_expect_tx(&landed, (uint32_t)a.share);
+    kx::bulk_copy_streaming(share, a.fc2 + (int64_t)blockIdx.x * a.share, (uint32_t)a.share, &landed,
+                            kx::l2_evict_first_policy());
+  }
+  /* FC1 (and FC2 too when it is not copied): strided 16-byte loads, math on each */
+  const int64_t n_vec = a.fc2_by_copy ? a.fc1_vec : a.fc1_vec + (int64_t)kExperts * kFc2Bytes / 16;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  uint32_t acc = 0;
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  for (; i + (kInFlight - 1) * stride < n_vec; i += kInFlight * stride) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(a.fc1 + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], a.work);
+  }
+  for (; i < n_vec; i += stride) acc = work_on(acc, __ldcs(a.fc1 + i), a.work);
+  if (a.fc2_by_copy) {
+    if (a.handoff) {
+      __syncthreads(); /* the CTA's FC1 is done */
+      if (threadIdx.x == 0) {
+        __threadfence();
+        /* each launch adds exactly gridDim.x (its CTAs count only after its predecessor ended) */
+        const unsigned ticket = atomicAdd(a.counter, 1u);
+        kx::wait_count(a.counter, (ticket / gridDim.x + 1) * gridDim.x);
+      }
+      __syncthreads();
+    }
+    kx::mbar_wait(&landed, 0);
+    spin_cycles(a.tail);
+    /* the FC2 math of this CTA's share of the last expert */
+    const int last_vecs = (int)(kFc2Bytes / gridDim.x / 16);
+    for (int v = threadIdx.x; v < last_vecs; v += blockDim.x)
+      acc = work_on(acc, share[a.share / 16 - last_vecs + v], a.work);
+  }
+  if (acc == 0x9e3779b9u) *a.sink = acc; /* practically never taken; keeps the loads */
+}
+
+struct Case {
+  int ctas_per_sm, in_flight, fc2_by_copy, handoff, start, work, tail;
+};
+
+}  // namespace
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const double floor_TBps = hbm_read_TBps(s);
+  const int64_t fc1 = kExperts * kFc1Bytes, bytes = kExperts * (kFc1Bytes + kFc2Bytes);
+  const double floor_us = (double)bytes / (floor_TBps * 1e12) * 1e6;
+  std::vector<Dev *> bufs;
+  for (int b = 0; b < kBuffers; ++b) {
+    bufs.push_back(new Dev((size_t)bytes));
+    CHECK(cudaMemset(bufs.back()->p, 1 + b, (size_t)bytes));
+  }
+  Dev sink(64), counter(sizeof(unsigned));
+  CHECK(cudaMemset(counter.p, 0, sizeof(unsigned)));
+  printf("%d SMs; HBM read over 4 GiB: %.3f TB/s; k3-tp8 B = 1: %.1f MB (FC1 %.1f), floor %.2f us\n", sms, floor_TBps,
+         bytes / 1e6, fc1 / 1e6, floor_us);
+  printf("8 launches a graph after a wait; CTAs of %d threads\n", kThreads);
+  printf("  %-6s %-9s %-8s %-7s %5s %4s %5s -> %7s %6s\n", "CTA/SM", "in flight", "FC2", "handoff", "start", "work",
+         "tail", "us", "x floor");
+  std::vector<Case> cases;
+  for (int cps : {1, 2, 4})
+    for (int inf : {4, 8})
+      for (int work : {32, 64}) {
+        cases.push_back({cps, inf, 0, 0, 2000, work, 0});    /* all by loads: small_read_probe's case */
+        cases.push_back({cps, inf, 1, 0, 2000, work, 0});    /* FC2 copied into shared memory */
+        cases.push_back({cps, inf, 1, 1, 2000, work, 0});    /* + the hand-off */
+        cases.push_back({cps, inf, 1, 1, 2000, work, 1500}); /* + SiTU, quantization, row sums */
+      }
+  for (const Case &c : cases) {
+    const unsigned grid = (unsigned)(c.ctas_per_sm * sms);
+    const int share = c.fc2_by_copy ? (int)(kExperts * kFc2Bytes / grid / 16 * 16) : 0;
+    auto kernel = c.in_flight == 4 ? one_token_skeleton<4> : one_token_skeleton<8>;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, share));
+    const float us = graph_us(s, [&] {
+      for (int b = 0; b < kBuffers; ++b) {
+        const uint8_t *base = bufs[b]->as<const uint8_t>();
+        const Args a{(const uint4 *)base, fc1 / 16, base + fc1, share, c.fc2_by_copy, c.handoff,
+                     c.start, c.work, c.tail, counter.as<unsigned>(), sink.as<uint32_t>()};
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(grid);
+        cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = (size_t)share;
+        cfg.stream = s;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+      }
+    }) / kBuffers;
+    printf("  %-6d %-9d %-8s %-7s %5d %4d %5d -> %7.2f %6.3f\n", c.ctas_per_sm, c.in_flight,
+           c.fc2_by_copy ? "copied" : "loads", c.handoff ? "yes" : "no", c.start, c.work, c.tail, us, us / floor_us);
+  }
+  for (Dev *d : bufs) delete d;
+  return 0;
+}
