@@ -7,7 +7,7 @@
  *
  * The path it stands for: after the wait and the routing (a spin of `start` cycles), every warp
  * loads FC1's FP4 words straight into registers (16-byte loads, strided over the grid) and does its
- * math on them (`work` instructions a vector, small_read_probe's work_on), while one bulk copy a CTA
+ * math on them (`work` instructions a vector, probe_work.cuh's work_on), while one bulk copy a CTA
  * brings the CTA's share of every routed expert's FC2 weights into shared memory. Once its FC1 is
  * done a CTA counts itself on a grid-wide counter, waits for every CTA's count (the hand-off of the
  * hidden rows, which every CTA needs), and then does the FC2 math of its share of the last expert
@@ -24,6 +24,7 @@
 
 #include "harness.cuh"
 #include "pipeline.cuh"
+#include "probe_work.cuh"
 
 namespace {
 
@@ -32,25 +33,6 @@ constexpr int kBuffers = 8;
 constexpr int kExperts = 16;                      /* k3-tp8 B = 1: 16 routed experts */
 constexpr int64_t kFc1Bytes = 1462272;            /* an expert's FC1: 768 x 3584 FP4 + scales */
 constexpr int64_t kFc2Bytes = 731136;             /* an expert's FC2: 3584 x 384 FP4 + scales */
-
-__device__ __forceinline__ void spin_cycles(int cycles) {
-  const long long t0 = kx::clock_now();
-  while (kx::clock_now() - t0 < cycles) {
-  }
-}
-
-/* ~`work` integer instructions on a vector in two dependent chains (as small_read_probe's). */
-__device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
-  uint32_t a = acc ^ v.x, b = v.y, c = v.z, d = v.w;
-#pragma unroll 1
-  for (int k = 0; k < work; k += 8) {
-    a = a * 0x9E3779B1u + b;
-    b = __funnelshift_l(b, c, 5) ^ a;
-    c = c * 0x85EBCA77u + d;
-    d = __funnelshift_l(d, a, 7) ^ c;
-  }
-  return a ^ b ^ c ^ d;
-}
 
 struct Args {
   const uint4 *fc1;     /* every expert's FC1, contiguous */

@@ -45,6 +45,7 @@
 
 #include "harness.cuh"
 #include "pipeline.cuh"
+#include "probe_work.cuh"
 
 namespace {
 
@@ -53,27 +54,6 @@ constexpr int kBuffers = 8;
 
 enum class Follow { kWait, kEarly, kSerial };
 const char *follow_name(Follow f) { return f == Follow::kWait ? "wait" : f == Follow::kEarly ? "early" : "serial"; }
-
-__device__ __forceinline__ void spin_cycles(int cycles) {
-  const long long t0 = kx::clock_now();
-  while (kx::clock_now() - t0 < cycles) {
-  }
-}
-
-/* ~`work` integer instructions on a loaded vector in two dependent chains (IMAD, SHF, LOP3), standing
- * for a layer's math on 16 bytes of its weights: the experts kernel's one-token MMA warps issue ~30
- * a 16-byte vector (~61 a warp for each of a 17 KB chunk's 34 warp-vectors, session 43). */
-__device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
-  uint32_t a = acc ^ v.x, b = v.y, c = v.z, d = v.w;
-#pragma unroll 1
-  for (int k = 0; k < work; k += 8) {
-    a = a * 0x9E3779B1u + b;
-    b = __funnelshift_l(b, c, 5) ^ a;
-    c = c * 0x85EBCA77u + d;
-    d = __funnelshift_l(d, a, 7) ^ c;
-  }
-  return a ^ b ^ c ^ d;
-}
 
 /* sliced: CTA c reads its own contiguous slice [c n / grid, (c + 1) n / grid), as the experts
  * kernel's CTAs read their items; else the whole grid strides over the buffer. start_cycles: a spin

@@ -1,0 +1,30 @@
+/* probe_work.cuh: what the stream probes (small_read_probe.cu, one_token_probe.cu) put on a stream
+ * to stand for a layer's own work: a spin of so many SM cycles, and integer math on each loaded
+ * vector. Device code only. */
+#pragma once
+
+#include <stdint.h>
+
+#include "pipeline.cuh"
+
+__device__ __forceinline__ void spin_cycles(int cycles) {
+  const long long t0 = kx::clock_now();
+  while (kx::clock_now() - t0 < cycles) {
+  }
+}
+
+/* ~`work` integer instructions on a loaded vector in two dependent chains (IMAD, SHF, LOP3; ~9
+ * issued for each 8 of `work`), standing for a layer's math on 16 bytes of its weights: the experts
+ * kernel's one-token MMA warps issue ~30 a 16-byte vector (~61 a warp for each of a 17 KB chunk's
+ * 34 warp-vectors, session 43). */
+__device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
+  uint32_t a = acc ^ v.x, b = v.y, c = v.z, d = v.w;
+#pragma unroll 1
+  for (int k = 0; k < work; k += 8) {
+    a = a * 0x9E3779B1u + b;
+    b = __funnelshift_l(b, c, 5) ^ a;
+    c = c * 0x85EBCA77u + d;
+    d = __funnelshift_l(d, a, 7) ^ c;
+  }
+  return a ^ b ^ c ^ d;
+}
