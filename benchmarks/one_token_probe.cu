@@ -137,6 +137,13 @@ int main() {
     const int share = c.fc2_by_copy ? (int)(kExperts * kFc2Bytes / grid / 16 * 16) : 0;
     auto kernel = c.in_flight == 4 ? one_token_skeleton<4> : one_token_skeleton<8>;
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, share));
+    int resident = 0; /* the hand-off waits for every CTA: the whole grid must be resident at once */
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, (size_t)share));
+    if (c.handoff && resident < c.ctas_per_sm) {
+      printf("  %-6d %-9d skipped: %d CTAs a SM resident, the hand-off would wait for CTAs never started\n",
+             c.ctas_per_sm, c.in_flight, resident);
+      continue;
+    }
     const float us = graph_us(s, [&] {
       for (int b = 0; b < kBuffers; ++b) {
         const uint8_t *base = bufs[b]->as<const uint8_t>();
@@ -157,6 +164,7 @@ int main() {
     }) / kBuffers;
     printf("  %-6d %-9d %-8s %-7s %5d %4d %5d -> %7.2f %6.3f\n", c.ctas_per_sm, c.in_flight,
            c.fc2_by_copy ? "copied" : "loads", c.handoff ? "yes" : "no", c.start, c.work, c.tail, us, us / floor_us);
+    fflush(stdout); /* a run cut short keeps what it measured */
   }
   for (Dev *d : bufs) delete d;
   return 0;
