@@ -14,7 +14,12 @@
  * (`tail` cycles standing for SiTU, the hidden block's quantization and the row sums, then `work`
  * on each 16-byte vector of that share). Timed as the benchmarks time a layer: a CUDA graph of 8
  * launches over 8 buffers (nothing stays in L2), programmatic dependent launch, median of replays.
- * Weights are bytes only and the math's results go nowhere: timing, not correctness.
+ * Weights are bytes only and the math's results go nowhere: timing, not correctness. The hand-off
+ * needs the whole grid resident; cases whose CTAs do not all fit are skipped.
+ *
+ * Session 64 (results/one-token-session64-h200.log): 1.42x by the loads alone, 1.51x with FC2 copied,
+ * 1.63x with the hand-off and 1.74x with the tail (2 CTAs a SM, 4 loads in flight, work 32): above
+ * the bar's 1.6 before the real decode, so this path is not built.
  */
 #include <stdint.h>
 #include <stdio.h>

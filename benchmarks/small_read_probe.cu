@@ -6,7 +6,8 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Ikernels -Ibenchmarks \
  *        benchmarks/small_read_probe.cu kernels/probe.cu -o /tmp/small_read_probe && /tmp/small_read_probe
  *
- * (`--quick` skips the larger cases.) Why: the bars are ratios to bytes / (the 4 GiB read's
+ * (`--quick` skips the larger cases; `--loads-work` times only B = 1's bytes by plain loads with a start spin
+ * and math on each vector, beside the ring with the kernel's start and pace.) Why: the bars are ratios to bytes / (the 4 GiB read's
  * bandwidth). A 35 MB layer (k3-tp8 B = 1) or a 59 MB GEMM (WsGemm N = 4096, K = 7168) pays the
  * launch, the first requests' latency and the last SMs' tail on top of its bytes, whatever its
  * kernel does. This probe asks what a kernel that does nothing but read its bytes pays, in the
@@ -34,6 +35,10 @@
  * a CTA whose first stage lands late carries the delay to its end once it has work per chunk, and a
  * smaller first wave does not help. Pairs (clusters of 2) and experts spread over an 842 MB layer
  * change nothing. 58.7 MB: 1.00-1.03x early, 1.10-1.15x after a wait.
+ *
+ * Session 64 (results/small-read-session64-h200.log): with a 2000-cycle start, plain loads at 2-4 CTAs of
+ * 512 threads a SM and ~30 instructions of math a vector read 1.41x, where the ring with the kernel's
+ * 720-cycle pace reads 1.70x: warps that wait on no one hide the math a ring's stage exposes.
  */
 #include <stdint.h>
 #include <stdio.h>
