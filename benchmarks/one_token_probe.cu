@@ -12,7 +12,9 @@
  * done a CTA counts itself on a grid-wide counter, waits for every CTA's count (the hand-off of the
  * hidden rows, which every CTA needs), and then does the FC2 math of its share of the last expert
  * (`tail` cycles standing for SiTU, the hidden block's quantization and the row sums, then `work`
- * on each 16-byte vector of that share). Timed as the benchmarks time a layer: a CUDA graph of 8
+ * on each 16-byte vector of that share). A second form streams FC2 by the loads after FC1, in expert
+ * order, counting after FC1 and waiting only before the last expert's FC2 (`kAfter`), so that the
+ * hand-off and the tail can hide under FC2's stream. Timed as the benchmarks time a layer: a CUDA graph of 8
  * launches over 8 buffers (nothing stays in L2), programmatic dependent launch, median of replays.
  * Weights are bytes only and the math's results go nowhere: timing, not correctness. The hand-off
  * needs the whole grid resident; cases whose CTAs do not all fit are skipped.
@@ -39,12 +41,52 @@ constexpr int kExperts = 16;                      /* k3-tp8 B = 1: 16 routed exp
 constexpr int64_t kFc1Bytes = 1462272;            /* an expert's FC1: 768 x 3584 FP4 + scales */
 constexpr int64_t kFc2Bytes = 731136;             /* an expert's FC2: 3584 x 384 FP4 + scales */
 
+/* kLoads: FC2 streamed by the loads with FC1, no hand-off; kCopied: each CTA's share of FC2 copied
+ * into its shared memory at the start, the FC2 math after the hand-off; kAfter: FC2 streamed by the
+ * loads after FC1, every expert's but the last before the hand-off and the last expert's after it
+ * (a path whose FC1 and FC2 both go in expert order, so that only the last expert's FC2 waits). */
+enum Fc2 { kLoads, kCopied, kAfter };
+
+/* Vectors [begin, end) of w, strided over the grid's threads, `kInFlight` loads ahead of the math. */
+template <int kInFlight>
+__device__ __forceinline__ uint32_t stream(const uint4 *w, int64_t begin, int64_t end, int work, uint32_t acc) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = begin + blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  for (; i + (kInFlight - 1) * stride < end; i += kInFlight * stride) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(w + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], work);
+  }
+  for (; i < end; i += stride) acc = work_on(acc, __ldcs(w + i), work);
+  return acc;
+}
+
+/* The hand-off, in two halves: the CTA counts itself once its FC1 is done (thread 0 gets the count
+ * that means every CTA of this launch did: each launch adds exactly gridDim.x, since its CTAs count
+ * only after its predecessor ended), and later waits for that count. */
+__device__ __forceinline__ unsigned count_done(unsigned *counter) {
+  __syncthreads();
+  unsigned target = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    target = (atomicAdd(counter, 1u) / gridDim.x + 1) * gridDim.x;
+  }
+  return target;
+}
+
+__device__ __forceinline__ void wait_for_grid(const unsigned *counter, unsigned target) {
+  if (threadIdx.x == 0) kx::wait_count(counter, target);
+  __syncthreads();
+}
+
 struct Args {
   const uint4 *fc1;     /* every expert's FC1, contiguous */
   int64_t fc1_vec;
   const uint8_t *fc2;   /* every expert's FC2, contiguous, after FC1 */
   int share;            /* bytes of FC2 a CTA holds (a multiple of 16) */
-  int fc2_by_copy;      /* 0: FC2 streamed by the loads as FC1, no share, no hand-off */
+  int fc2_mode;         /* how FC2's weights come (Fc2) */
   int handoff;          /* the grid-wide count and wait before the tail */
   int start, work, tail;
   unsigned *counter;
@@ -63,35 +105,25 @@ __global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
   kx::allow_dependents();
   kx::wait_for_predecessor();
   spin_cycles(a.start);
-  if (a.fc2_by_copy && threadIdx.x == 0) {
+  if (a.fc2_mode == kCopied && threadIdx.x == 0) {
     kx::mbar_arrive_expect_tx(&landed, (uint32_t)a.share);
     kx::bulk_copy_streaming(share, a.fc2 + (int64_t)blockIdx.x * a.share, (uint32_t)a.share, &landed,
                             kx::l2_evict_first_policy());
   }
-  /* FC1 (and FC2 too when it is not copied): strided 16-byte loads, math on each */
-  const int64_t n_vec = a.fc2_by_copy ? a.fc1_vec : a.fc1_vec + (int64_t)kExperts * kFc2Bytes / 16;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t fc2_vec = (int64_t)kExperts * kFc2Bytes / 16, last_vec = kFc2Bytes / 16;
   uint32_t acc = 0;
-  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  for (; i + (kInFlight - 1) * stride < n_vec; i += kInFlight * stride) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(a.fc1 + i + j * stride);
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], a.work);
+  if (a.fc2_mode == kAfter) {
+    acc = stream<kInFlight>(a.fc1, 0, a.fc1_vec, a.work, acc);
+    const unsigned target = a.handoff ? count_done(a.counter) : 0;
+    acc = stream<kInFlight>(a.fc1, a.fc1_vec, a.fc1_vec + fc2_vec - last_vec, a.work, acc);
+    if (a.handoff) wait_for_grid(a.counter, target);
+    spin_cycles(a.tail);
+    acc = stream<kInFlight>(a.fc1, a.fc1_vec + fc2_vec - last_vec, a.fc1_vec + fc2_vec, a.work, acc);
+  } else {
+    acc = stream<kInFlight>(a.fc1, 0, a.fc2_mode == kLoads ? a.fc1_vec + fc2_vec : a.fc1_vec, a.work, acc);
   }
-  for (; i < n_vec; i += stride) acc = work_on(acc, __ldcs(a.fc1 + i), a.work);
-  if (a.fc2_by_copy) {
-    if (a.handoff) {
-      __syncthreads(); /* the CTA's FC1 is done */
-      if (threadIdx.x == 0) {
-        __threadfence();
-        /* each launch adds exactly gridDim.x (its CTAs count only after its predecessor ended) */
-        const unsigned ticket = atomicAdd(a.counter, 1u);
-        kx::wait_count(a.counter, (ticket / gridDim.x + 1) * gridDim.x);
-      }
-      __syncthreads();
-    }
+  if (a.fc2_mode == kCopied) {
+    if (a.handoff) wait_for_grid(a.counter, count_done(a.counter));
     kx::mbar_wait(&landed, 0);
     spin_cycles(a.tail);
     /* the FC2 math of this CTA's share of the last expert */
@@ -103,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
 }
 
 struct Case {
-  int ctas_per_sm, in_flight, fc2_by_copy, handoff, start, work, tail;
+  int ctas_per_sm, in_flight, fc2_mode, handoff, start, work, tail;
 };
 
 }  // namespace
@@ -132,14 +164,16 @@ int main() {
   for (int cps : {1, 2, 4})
     for (int inf : {4, 8})
       for (int work : {32, 64}) {
-        cases.push_back({cps, inf, 0, 0, 2000, work, 0});    /* all by loads: small_read_probe's case */
-        cases.push_back({cps, inf, 1, 0, 2000, work, 0});    /* FC2 copied into shared memory */
-        cases.push_back({cps, inf, 1, 1, 2000, work, 0});    /* + the hand-off */
-        cases.push_back({cps, inf, 1, 1, 2000, work, 1500}); /* + SiTU, quantization, row sums */
+        cases.push_back({cps, inf, kLoads, 0, 2000, work, 0});     /* all by loads: small_read_probe's case */
+        cases.push_back({cps, inf, kCopied, 0, 2000, work, 0});    /* FC2 copied into shared memory */
+        cases.push_back({cps, inf, kCopied, 1, 2000, work, 0});    /* + the hand-off */
+        cases.push_back({cps, inf, kCopied, 1, 2000, work, 1500}); /* + SiTU, quantization, row sums */
+        cases.push_back({cps, inf, kAfter, 1, 2000, work, 0});     /* FC2 after FC1, the last expert waits */
+        cases.push_back({cps, inf, kAfter, 1, 2000, work, 1500});
       }
   for (const Case &c : cases) {
     const unsigned grid = (unsigned)(c.ctas_per_sm * sms);
-    const int share = c.fc2_by_copy ? (int)(kExperts * kFc2Bytes / grid / 16 * 16) : 0;
+    const int share = c.fc2_mode == kCopied ? (int)(kExperts * kFc2Bytes / grid / 16 * 16) : 0;
     auto kernel = c.in_flight == 4 ? one_token_skeleton<4> : one_token_skeleton<8>;
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, share));
     int resident = 0; /* the hand-off waits for every CTA: the whole grid must be resident at once */
@@ -152,7 +186,7 @@ int main() {
     const float us = graph_us(s, [&] {
       for (int b = 0; b < kBuffers; ++b) {
         const uint8_t *base = bufs[b]->as<const uint8_t>();
-        const Args a{(const uint4 *)base, fc1 / 16, base + fc1, share, c.fc2_by_copy, c.handoff,
+        const Args a{(const uint4 *)base, fc1 / 16, base + fc1, share, c.fc2_mode, c.handoff,
                      c.start, c.work, c.tail, counter.as<unsigned>(), sink.as<uint32_t>()};
         cudaLaunchAttribute attr[1];
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -168,7 +202,7 @@ int main() {
       }
     }) / kBuffers;
     printf("  %-6d %-9d %-8s %-7s %5d %4d %5d -> %7.2f %6.3f\n", c.ctas_per_sm, c.in_flight,
-           c.fc2_by_copy ? "copied" : "loads", c.handoff ? "yes" : "no", c.start, c.work, c.tail, us, us / floor_us);
+           c.fc2_mode == kLoads ? "loads" : c.fc2_mode == kCopied ? "copied" : "after", c.handoff ? "yes" : "no", c.start, c.work, c.tail, us, us / floor_us);
     fflush(stdout); /* a run cut short keeps what it measured */
   }
   for (Dev *d : bufs) delete d;
