@@ -81,6 +81,24 @@ __device__ __forceinline__ void wait_for_grid(const unsigned *counter, unsigned 
   __syncthreads();
 }
 
+/* The same per warp, so that no warp waits for the others of its CTA: lane 0 counts the warp once
+ * its FC1 is done; each launch adds exactly its number of warps. */
+__device__ __forceinline__ unsigned warp_count_done(unsigned *counter) {
+  const unsigned warps = gridDim.x * (blockDim.x / 32);
+  unsigned target = 0;
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) {
+    __threadfence();
+    target = (atomicAdd(counter, 1u) / warps + 1) * warps;
+  }
+  return target;
+}
+
+__device__ __forceinline__ void warp_wait_for_grid(const unsigned *counter, unsigned target) {
+  if (threadIdx.x % 32 == 0) kx::wait_count(counter, target);
+  __syncwarp();
+}
+
 struct Args {
   const uint4 *fc1;     /* every expert's FC1, contiguous */
   int64_t fc1_vec;
@@ -114,11 +132,17 @@ __global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
   uint32_t acc = 0;
   if (a.fc2_mode == kAfter) {
     acc = stream<kInFlight>(a.fc1, 0, a.fc1_vec, a.work, acc);
-    const unsigned target = a.handoff ? count_done(a.counter) : 0;
+    const unsigned target = a.handoff ? warp_count_done(a.counter) : 0;
     acc = stream<kInFlight>(a.fc1, a.fc1_vec, a.fc1_vec + fc2_vec - last_vec, a.work, acc);
-    if (a.handoff) wait_for_grid(a.counter, target);
+    /* the last expert's FC2: its first vector a thread loaded before the wait (the only one at
+     * 132 x 512 threads or more), the math after it */
+    const int64_t last_base = a.fc1_vec + fc2_vec - last_vec, end = a.fc1_vec + fc2_vec;
+    const int64_t mine = last_base + blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const uint4 last = mine < end ? __ldcs(a.fc1 + mine) : make_uint4(0u, 0u, 0u, 0u);
+    if (a.handoff) warp_wait_for_grid(a.counter, target);
     spin_cycles(a.tail);
-    acc = stream<kInFlight>(a.fc1, a.fc1_vec + fc2_vec - last_vec, a.fc1_vec + fc2_vec, a.work, acc);
+    acc = work_on(acc, last, a.work);
+    acc = stream<kInFlight>(a.fc1, last_base + (int64_t)gridDim.x * blockDim.x, end, a.work, acc);
   } else {
     acc = stream<kInFlight>(a.fc1, 0, a.fc2_mode == kLoads ? a.fc1_vec + fc2_vec : a.fc1_vec, a.work, acc);
   }
@@ -168,7 +192,8 @@ int main() {
         cases.push_back({cps, inf, kCopied, 0, 2000, work, 0});    /* FC2 copied into shared memory */
         cases.push_back({cps, inf, kCopied, 1, 2000, work, 0});    /* + the hand-off */
         cases.push_back({cps, inf, kCopied, 1, 2000, work, 1500}); /* + SiTU, quantization, row sums */
-        cases.push_back({cps, inf, kAfter, 1, 2000, work, 0});     /* FC2 after FC1, the last expert waits */
+        cases.push_back({cps, inf, kAfter, 0, 2000, work, 0});     /* FC2 after FC1, no hand-off */
+        cases.push_back({cps, inf, kAfter, 1, 2000, work, 0});     /* + the last expert waits for it */
         cases.push_back({cps, inf, kAfter, 1, 2000, work, 1500});
       }
   for (const Case &c : cases) {
