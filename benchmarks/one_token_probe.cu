@@ -49,20 +49,11 @@ constexpr int64_t kFc2Bytes = 731136;             /* an expert's FC2: 3584 x 384
  * (a path whose FC1 and FC2 both go in expert order, so that only the last expert's FC2 waits). */
 enum Fc2 { kLoads, kCopied, kAfter };
 
-/* Vectors [begin, end) of w, strided over the grid's threads, `kInFlight` loads ahead of the math. */
+/* Vectors [begin, end) of w, strided over the grid's threads. */
 template <int kInFlight>
 __device__ __forceinline__ uint32_t stream(const uint4 *w, int64_t begin, int64_t end, int work, uint32_t acc) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  int64_t i = begin + blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  for (; i + (kInFlight - 1) * stride < end; i += kInFlight * stride) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(w + i + j * stride);
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], work);
-  }
-  for (; i < end; i += stride) acc = work_on(acc, __ldcs(w + i), work);
-  return acc;
+  return read_with_work<kInFlight>(w, begin + blockIdx.x * (int64_t)blockDim.x + threadIdx.x, end,
+                                   (int64_t)gridDim.x * blockDim.x, work, acc);
 }
 
 /* The hand-off, in two halves: the CTA counts itself once its FC1 is done (thread 0 gets the count

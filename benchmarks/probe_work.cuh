@@ -1,6 +1,6 @@
 /* probe_work.cuh: what the stream probes (small_read_probe.cu, one_token_probe.cu) put on a stream
- * to stand for a layer's own work: a spin of so many SM cycles, and integer math on each loaded
- * vector. Device code only. */
+ * to stand for a layer's own work: a spin of so many SM cycles, integer math on each loaded vector,
+ * and the strided read that does that math on what it loads. Device code only. */
 #pragma once
 
 #include <stdint.h>
@@ -27,4 +27,20 @@ __device__ __forceinline__ uint32_t work_on(uint32_t acc, uint4 v, int work) {
     d = __funnelshift_l(d, a, 7) ^ c;
   }
   return a ^ b ^ c ^ d;
+}
+
+/* Vectors i, i + stride, .. below end of w, streaming (evict-first) loads `kInFlight` ahead of the
+ * math on them; the last few one at a time. */
+template <int kInFlight>
+__device__ __forceinline__ uint32_t read_with_work(const uint4 *w, int64_t i, int64_t end, int64_t stride, int work,
+                                                   uint32_t acc) {
+  for (; i + (kInFlight - 1) * stride < end; i += kInFlight * stride) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(w + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], work);
+  }
+  for (; i < end; i += stride) acc = work_on(acc, __ldcs(w + i), work);
+  return acc;
 }

@@ -76,15 +76,8 @@ __global__ void __launch_bounds__(kThreads) chained_read(const uint4 *data, int6
     n_vec = end - begin;
   }
   const int64_t stride = sliced ? (int64_t)blockDim.x : (int64_t)gridDim.x * blockDim.x;
-  int64_t i = (sliced ? 0 : blockIdx.x * (int64_t)blockDim.x) + threadIdx.x;
-  for (; i + (kInFlight - 1) * stride < n_vec; i += kInFlight * stride) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) v[j] = __ldcs(data + i + j * stride);
-#pragma unroll
-    for (int j = 0; j < kInFlight; ++j) acc = work_on(acc, v[j], work);
-  }
-  for (; i < n_vec; i += stride) acc = work_on(acc, __ldcs(data + i), work);
+  const int64_t first = (sliced ? 0 : blockIdx.x * (int64_t)blockDim.x) + threadIdx.x;
+  acc = read_with_work<kInFlight>(data, first, n_vec, stride, work, acc);
   if (acc == 0x9e3779b9u) *sink = acc; /* practically never taken; keeps the loads */
 }
 
