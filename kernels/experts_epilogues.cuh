@@ -69,8 +69,8 @@ __device__ __forceinline__ uint8_t *hidden_codes(const Params &p, int64_t row) {
 /* FC1 token i's h at this lane's hidden column of the tile (lane k = column k: the tile's 32
  * columns are one MXFP8 block of each token); mult is the token's row multiplier. stamp: the
  * marks build stamps the sums and h (tagged launches). */
-__device__ __forceinline__ float fc1_token_h(const Params &p, const float *reduce, const Unit &unit,
-                                             const TileRef &ref, int i, float mult, bool stamp) {
+__device__ __forceinline__ float fc1_token_h(const Params &p, const float *reduce, const TileRef &ref, int i,
+                                             float mult, bool stamp) {
   const int lane = threadIdx.x & 31, row = lane % kStripRows, pair = lane / kStripRows;
   const float gate = reduced(reduce, kFc1Strips, 2 * pair, row, i, mult);
   const float up = reduced(reduce, kFc1Strips, 2 * pair + 1, row, i, mult);
@@ -96,7 +96,7 @@ __device__ void store_fc1_sums(const Params &p, const float *reduce, const Unit 
     const int count = kLocalX ? 1 : unit.count;
     for (int i = 0; i < count; ++i) {
       const float mult = kLocalX ? tt.mult : __shfl_sync(0xFFFFFFFFu, tt.mult, i);
-      const float h = fc1_token_h(p, reduce, unit, ref, i, mult, kTagged);
+      const float h = fc1_token_h(p, reduce, ref, i, mult, kTagged);
       const int64_t r = unit.row0 + i;
       if constexpr (kTagged) {
         /* FC1 tile f's 32 hidden columns are FC2's k-block f */
