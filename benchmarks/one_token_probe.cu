@@ -74,11 +74,9 @@ __device__ __forceinline__ void wait_for_grid(const unsigned *counter, unsigned 
   __syncthreads();
 }
 
-
 struct Args {
-  const uint4 *fc1;     /* every expert's FC1, contiguous */
-  int64_t fc1_vec;
-  const uint8_t *fc2;   /* every expert's FC2, contiguous, after FC1 */
+  const uint4 *w;       /* every expert's FC1, then every expert's FC2, contiguous */
+  int64_t fc1_vec;      /* FC1's 16-byte vectors: FC2 starts at w + fc1_vec */
   int share;            /* bytes of FC2 a CTA holds (a multiple of 16) */
   int fc2_mode;         /* how FC2's weights come (Fc2) */
   int handoff;          /* the grid-wide count and wait before the tail */
@@ -101,26 +99,27 @@ __global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
   spin_cycles(a.start);
   if (a.fc2_mode == kCopied && threadIdx.x == 0) {
     kx::mbar_arrive_expect_tx(&landed, (uint32_t)a.share);
-    kx::bulk_copy_streaming(share, a.fc2 + (int64_t)blockIdx.x * a.share, (uint32_t)a.share, &landed,
+    const uint8_t *fc2 = reinterpret_cast<const uint8_t *>(a.w + a.fc1_vec);
+    kx::bulk_copy_streaming(share, fc2 + (int64_t)blockIdx.x * a.share, (uint32_t)a.share, &landed,
                             kx::l2_evict_first_policy());
   }
-  const int64_t fc2_vec = (int64_t)kExperts * kFc2Bytes / 16, last_vec = kFc2Bytes / 16;
+  const int64_t end = a.fc1_vec + (int64_t)kExperts * kFc2Bytes / 16; /* the last vector of FC2, + 1 */
   uint32_t acc = 0;
   if (a.fc2_mode == kAfter) {
-    acc = stream<kInFlight>(a.fc1, 0, a.fc1_vec, a.work, acc);
+    const int64_t last_expert = end - kFc2Bytes / 16; /* its FC2's first vector */
+    acc = stream<kInFlight>(a.w, 0, a.fc1_vec, a.work, acc);
     const unsigned target = a.handoff ? count_done(a.counter) : 0;
-    acc = stream<kInFlight>(a.fc1, a.fc1_vec, a.fc1_vec + fc2_vec - last_vec, a.work, acc);
+    acc = stream<kInFlight>(a.w, a.fc1_vec, last_expert, a.work, acc);
     /* the last expert's FC2: its first vector a thread loaded before the wait (the only one at
      * 132 x 512 threads or more), the math after it */
-    const int64_t last_base = a.fc1_vec + fc2_vec - last_vec, end = a.fc1_vec + fc2_vec;
-    const int64_t mine = last_base + blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-    const uint4 last = mine < end ? __ldcs(a.fc1 + mine) : make_uint4(0u, 0u, 0u, 0u);
+    const int64_t mine = last_expert + blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    const uint4 last = mine < end ? __ldcs(a.w + mine) : make_uint4(0u, 0u, 0u, 0u);
     if (a.handoff) wait_for_grid(a.counter, target);
     spin_cycles(a.tail);
     acc = work_on(acc, last, a.work);
-    acc = stream<kInFlight>(a.fc1, last_base + (int64_t)gridDim.x * blockDim.x, end, a.work, acc);
+    acc = stream<kInFlight>(a.w, last_expert + (int64_t)gridDim.x * blockDim.x, end, a.work, acc);
   } else {
-    acc = stream<kInFlight>(a.fc1, 0, a.fc2_mode == kLoads ? a.fc1_vec + fc2_vec : a.fc1_vec, a.work, acc);
+    acc = stream<kInFlight>(a.w, 0, a.fc2_mode == kLoads ? end : a.fc1_vec, a.work, acc);
     if (a.fc2_mode == kLoads) spin_cycles(a.tail); /* a tail no hand-off waits for */
   }
   if (a.fc2_mode == kCopied) {
@@ -128,9 +127,9 @@ __global__ void __launch_bounds__(kThreads) one_token_skeleton(const Args a) {
     kx::mbar_wait(&landed, 0);
     spin_cycles(a.tail);
     /* the FC2 math of this CTA's share of the last expert */
-    const int last_vecs = (int)(kFc2Bytes / gridDim.x / 16);
-    for (int v = threadIdx.x; v < last_vecs; v += blockDim.x)
-      acc = work_on(acc, share[a.share / 16 - last_vecs + v], a.work);
+    const int my_last = (int)(kFc2Bytes / gridDim.x / 16);
+    for (int v = threadIdx.x; v < my_last; v += blockDim.x)
+      acc = work_on(acc, share[a.share / 16 - my_last + v], a.work);
   }
   if (acc == 0x9e3779b9u) *a.sink = acc; /* practically never taken; keeps the loads */
 }
@@ -188,8 +187,7 @@ int main() {
     }
     const float us = graph_us(s, [&] {
       for (int b = 0; b < kBuffers; ++b) {
-        const uint8_t *base = bufs[b]->as<const uint8_t>();
-        const Args a{(const uint4 *)base, fc1 / 16, base + fc1, share, c.fc2_mode, c.handoff,
+        const Args a{bufs[b]->as<const uint4>(), fc1 / 16, share, c.fc2_mode, c.handoff,
                      c.start, c.work, c.tail, counter.as<unsigned>(), sink.as<uint32_t>()};
         cudaLaunchAttribute attr[1];
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
