@@ -642,9 +642,10 @@ const EncodeFn &encode_fn() {
 }
 
 /* A bf16 matrix [rows, cols] with a row stride in bytes, read in boxes of 64 columns x box_rows
- * rows into 128B-swizzled shared memory; boxes past the edge are zero-filled. */
+ * rows into 128B-swizzled shared memory; boxes past the edge are zero-filled. promotion: how much
+ * of each box row's line the L2 fetches. */
 cudaError_t encode_bf16_2d(CUtensorMap *map, const void *base, uint64_t rows, uint64_t cols,
-                           uint64_t row_stride_bytes, uint32_t box_rows) {
+                           uint64_t row_stride_bytes, uint32_t box_rows, CUtensorMapL2promotion promotion) {
   const EncodeFn &e = encode_fn();
   if (e.status != cudaSuccess) return e.status;
   const cuuint64_t dims[2] = {cols, rows};
@@ -653,7 +654,7 @@ cudaError_t encode_bf16_2d(CUtensorMap *map, const void *base, uint64_t rows, ui
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = e.fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims,
                           strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -812,9 +813,12 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     if (a->split < a->n && a->latent == nullptr) return cudaErrorInvalidValue;
   }
 
+  /* W's box rows are exactly one 128-byte unit row each; 256-byte promotion also fetched the next
+   * unit's half of the line early, which was 0.3 us slower at N = 4096 (M <= 16) and 0.3-0.4 at
+   * (7168, 2048) (session 65). x stays promoted: it is read from L2 by every CTA. */
   CUtensorMap w_map;
   cudaError_t err = encode_bf16_2d(&w_map, a->w, (uint64_t)a->n, (uint64_t)a->k,
-                                   (uint64_t)a->k * 2, (uint32_t)c.tile_n);
+                                   (uint64_t)a->k * 2, (uint32_t)c.tile_n, CU_TENSOR_MAP_L2_PROMOTION_NONE);
   if (err != cudaSuccess) return err;
 
   /* ---- one launch per 64 rows of x ------------------------------------------------------ */
@@ -824,7 +828,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
     CUtensorMap x_map;
     const uint64_t x_stride = rows > 1 ? (uint64_t)a->x_row_stride * 2 : (uint64_t)a->k * 2;
     err = encode_bf16_2d(&x_map, a->x + r0 * a->x_row_stride, (uint64_t)rows, (uint64_t)a->k,
-                         x_stride, (uint32_t)(8 * groups));
+                         x_stride, (uint32_t)(8 * groups), CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
     if (err != cudaSuccess) return err;
 
     Params p;
