@@ -814,8 +814,8 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
   }
 
   /* W's box rows are exactly one 128-byte unit row each; 256-byte promotion also fetched the next
-   * unit's half of the line early, which was 0.3 us slower at N = 4096 (M <= 16) and 0.3-0.4 at
-   * (7168, 2048) (session 65). x stays promoted: it is read from L2 by every CTA. */
+   * unit's half of the line early, which was 0.15-0.35 us slower at N = 4096 (M <= 16) and 0.3-0.45
+   * at (7168, 2048) (session 65). x keeps it (not measured without). */
   CUtensorMap w_map;
   cudaError_t err = encode_bf16_2d(&w_map, a->w, (uint64_t)a->n, (uint64_t)a->k,
                                    (uint64_t)a->k * 2, (uint32_t)c.tile_n, CU_TENSOR_MAP_L2_PROMOTION_NONE);
