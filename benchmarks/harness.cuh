@@ -1,6 +1,6 @@
 /* harness.cuh: what the stand-alone GPU harnesses in benchmarks/ share (ws_gemm_check.cu,
- * experts_marks.cu): a CUDA call checked or the program ends, a device buffer, CUDA-graph timing
- * and the HBM read floor. Host code only; each harness is its own program. */
+ * experts_marks.cu, the probes): a CUDA call checked or the program ends, a device buffer,
+ * CUDA-graph timing, a chained launch's configuration and the HBM read floor. Host code only; each harness is its own program. */
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,6 +74,27 @@ static float graph_us(cudaStream_t s, F body, int replays = 60) {
   CHECK(cudaGraphExecDestroy(ge));
   return median(t) * 1000.f;
 }
+
+/* A launch for cudaLaunchKernelEx(&l.cfg, kernel, args...): programmatic dependent launch on or
+ * off, clusters of `cluster` CTAs when more than one. Built in place: cfg points at attr. */
+struct ChainedLaunch {
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = {};
+  ChainedLaunch(bool pdl, unsigned grid, unsigned threads, size_t smem, int cluster, cudaStream_t s) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = (unsigned)cluster;
+    attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = cluster > 1 ? 2 : 1;
+  }
+  ChainedLaunch(const ChainedLaunch &) = delete;
+};
 
 static double hbm_read_TBps(cudaStream_t s) {
   const size_t bytes = (size_t)4 << 30;

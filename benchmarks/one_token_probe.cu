@@ -189,17 +189,8 @@ int main() {
       for (int b = 0; b < kBuffers; ++b) {
         const Args a{bufs[b]->as<const uint4>(), fc1 / 16, share, c.fc2_mode, c.handoff,
                      c.start, c.work, c.tail, counter.as<unsigned>(), sink.as<uint32_t>()};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(grid);
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = (size_t)share;
-        cfg.stream = s;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+        const ChainedLaunch l(true, grid, kThreads, (size_t)share, 1, s);
+        CHECK(cudaLaunchKernelEx(&l.cfg, kernel, a));
       }
     }) / kBuffers;
     printf("  %-6d %-9d %-8s %-7s %5d %4d %5d -> %7.2f %6.3f\n", c.ctas_per_sm, c.in_flight,

@@ -224,30 +224,10 @@ struct Result {
   float us;
 };
 
-/* A launch that follows the previous one as `follow` says, in clusters of `cluster` CTAs (1: none).
- * Built in place: cfg points at attr. */
-struct ChainedLaunch {
-  cudaLaunchAttribute attr[2];
-  cudaLaunchConfig_t cfg = {};
-  ChainedLaunch(Follow follow, unsigned grid, unsigned threads, size_t smem, int cluster, cudaStream_t s) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = follow == Follow::kSerial ? 0 : 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = (unsigned)cluster;
-    attr[1].val.clusterDim.y = attr[1].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = attr;
-    cfg.numAttrs = cluster > 1 ? 2 : 1;
-  }
-  ChainedLaunch(const ChainedLaunch &) = delete;
-};
-
 void launch_ring(const Case &c, int sms, const uint8_t *data, int64_t bytes, uint32_t *sink, unsigned *tickets,
                  RingStamps *stamps, cudaStream_t s, const int *experts = nullptr, int expert_chunks = 0) {
-  const ChainedLaunch l(c.follow, (unsigned)(sms / c.cluster * c.cluster), kRingThreads, kRingSmem, c.cluster, s);
+  const ChainedLaunch l(c.follow != Follow::kSerial, (unsigned)(sms / c.cluster * c.cluster), kRingThreads, kRingSmem,
+                        c.cluster, s);
   const RingArgs a{data,   bytes / c.chunk, c.chunk,       c.in_flight,  sink,    c.follow == Follow::kWait ? 1 : 0,
                    c.deal, c.start_cycles,  c.pace_cycles, c.first_wave, tickets, stamps,
                    experts, expert_chunks};
@@ -256,7 +236,7 @@ void launch_ring(const Case &c, int sms, const uint8_t *data, int64_t bytes, uin
 
 template <int kInFlight>
 void launch(const Case &c, int sms, const uint4 *data, int64_t n_vec, uint32_t *sink, cudaStream_t s) {
-  const ChainedLaunch l(c.follow, (unsigned)(c.ctas_per_sm * sms), kThreads, 0, 1, s);
+  const ChainedLaunch l(c.follow != Follow::kSerial, (unsigned)(c.ctas_per_sm * sms), kThreads, 0, 1, s);
   CHECK(cudaLaunchKernelEx(&l.cfg, chained_read<kInFlight>, data, n_vec, sink, c.follow == Follow::kWait ? 1 : 0,
                            c.deal == Deal::kSliced ? 1 : 0, c.start_cycles, c.work));
 }
