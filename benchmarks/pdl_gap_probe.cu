@@ -82,17 +82,8 @@ void run_case(const Case &k, int sms, cudaStream_t stream) {
   CHECK(cudaMemset(lines.p, 0, (size_t)sms * 32 * sizeof(unsigned)));
   const auto body = [&] {
     for (int l = 0; l < kLayers; ++l) {
-      cudaLaunchConfig_t cfg = {};
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = k.pdl ? 1 : 0;
-      cfg.gridDim = dim3(sms);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = kSmemBytes;
-      cfg.stream = stream;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      CHECK(cudaLaunchKernelEx(&cfg, chained, stamps.as<Stamps>() + (size_t)l * sms, sink.as<uint4>(),
+      const ChainedLaunch launch(k.pdl, sms, kThreads, kSmemBytes, 1, stream);
+      CHECK(cudaLaunchKernelEx(&launch.cfg, chained, stamps.as<Stamps>() + (size_t)l * sms, sink.as<uint4>(),
                                lines.as<unsigned>(), k.spin_ns, k.extra_ns, k.heavy, k.stores));
     }
   };
