@@ -140,7 +140,7 @@ __host__ __device__ inline bool pushed_reduction(int32_t cluster) { return clust
  * M = 64, which must split alike: the summation order may not depend on M, "Batch invariance";
  * 9/16 measured in session 27: -0.5 us at M = 64, +0.65 at M <= 16). Session 72 swept 7/16 to
  * 13/16: 5/8 is the best in a chain at every M <= 32; a launch that follows nothing (no PDL) runs
- * 1/2 or 3/4 ~0.7 us faster at M <= 16, which a chain pays back +0.45 to +1.75. */
+ * 1/2 or 3/4 ~0.7 us faster at M <= 16, which a chain pays back +0.4 to +1.75. */
 __host__ __device__ inline void k_range(int rank, int k_units, int cluster, int *first,
                                         int *count) {
   if (cluster == 2) {
@@ -818,7 +818,7 @@ extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
   /* W's box rows are exactly one 128-byte unit row each; 256-byte promotion also fetched the next
    * unit's half of the line early, which was 0.15-0.35 us slower at N = 4096 (M <= 16) and 0.3-0.45
    * at (7168, 2048) (session 65). x keeps it: without, every shape reads the same within 0.04 us
- * (session 72; x is an L2 hit after its first fetch). */
+   * (session 72; x is an L2 hit after its first fetch). */
   CUtensorMap w_map;
   cudaError_t err = encode_bf16_2d(&w_map, a->w, (uint64_t)a->n, (uint64_t)a->k,
                                    (uint64_t)a->k * 2, (uint32_t)c.tile_n, CU_TENSOR_MAP_L2_PROMOTION_NONE);
