@@ -103,3 +103,15 @@ static double hbm_read_TBps(cudaStream_t s) {
   const float us = graph_us(s, [&] { CHECK(kx_probe_read(buf.p, (int64_t)bytes, sink.as<uint32_t>(), s)); }, 20);
   return (double)bytes / (us * 1e-6) / 1e12;
 }
+
+/* What a stream probe starts from: the SM count, a non-blocking stream and the HBM read floor. */
+struct StreamProbe {
+  int sms = 0;
+  cudaStream_t s = nullptr;
+  double floor_TBps = 0.0;
+  StreamProbe() {
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    floor_TBps = hbm_read_TBps(s);
+  }
+};

@@ -141,11 +141,10 @@ struct Case {
 }  // namespace
 
 int main() {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const double floor_TBps = hbm_read_TBps(s);
+  const StreamProbe probe;
+  const int sms = probe.sms;
+  const cudaStream_t s = probe.s;
+  const double floor_TBps = probe.floor_TBps;
   const int64_t fc1 = kExperts * kFc1Bytes, bytes = kExperts * (kFc1Bytes + kFc2Bytes);
   const double floor_us = (double)bytes / (floor_TBps * 1e12) * 1e6;
   std::vector<Dev *> bufs;
