@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "harness.cuh"
+#include "probe_work.cuh" /* fill_weights */
 #include "kimi_kernels.h"
 #include "marks.cuh"
 #include "moe_layout.cuh"
@@ -48,17 +49,6 @@
 #endif
 
 using namespace kx; /* marks.cuh's slot names */
-
-/* Random FP4 bytes; scale bytes in [124, 130], so the weights stay finite. */
-__global__ void fill_weights(uint8_t *bytes, size_t n, uint32_t seed, int scales) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    bytes[i] = scales ? (uint8_t)(124 + h % 7) : (uint8_t)h;
-  }
-}
 
 /* Rewrites n words in place (the same values), so they sit in L2 as freshly written data. */
 __global__ void rewrite_words(uint32_t *words, int n) {

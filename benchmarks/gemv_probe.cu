@@ -97,13 +97,8 @@ struct Args {
  * takes them, folded relative to a reference exponent. */
 __device__ __forceinline__ uint16_t folded_f16(float v, int block_exp, int ref_exp) {
   const __nv_fp8_e4m3 code(v * kx::exp2_exact(-block_exp));
-  const float back = (float)code * kx::exp2_exact(block_exp - ref_exp);
+  const float back = (float)code * kx::fold_factor(block_exp, ref_exp);
   return __half_as_ushort(__float2half_rn(back));
-}
-
-/* floor(log2 amax) - 8 (the floor rule of SPEC 2) from the float's bits. */
-__device__ __forceinline__ int block_exponent(float amax) {
-  return amax > 0.0f ? (int)((__float_as_uint(amax) >> 23) & 0xFF) - 127 - 8 : -127;
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -262,7 +257,7 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1) gemv_probe(const Args a)
 #pragma unroll
     for (int i = 0; i < kXBlocks<kWarps>; ++i) {
       const float amax = warp_max(fabsf(xv[i]));
-      if (lane == 0 && warp + kWarps * i < kKbH) x_exp[warp + kWarps * i] = block_exponent(amax);
+      if (lane == 0 && warp + kWarps * i < kKbH) x_exp[warp + kWarps * i] = kx::mxfp8_exponent(amax, true);
     }
     named_sync_compute<kWarps>();
     int ref = -127;
@@ -295,8 +290,9 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1) gemv_probe(const Args a)
         const uint32_t entry = wl[warp][n];
         const int e = (entry >> 16) & 0xF, kb = (entry >> 20) & 0x7F;
         const Loaded d = vec.take(j, lane);
-        if (!kAsync) vec.issue(j, a.w, scales, wl[warp][n + kInFlight < n_total ? n + kInFlight : 0],
-                               n + kInFlight < n_total, lane);
+        const bool more = n + kInFlight < n_total; /* the vector that takes this one's place */
+        const uint32_t next = wl[warp][more ? n + kInFlight : 0];
+        if (!kAsync) vec.issue(j, a.w, scales, next, more, lane);
         if ((entry & kFirstFc2) && a.mode == kFull) kx::mbar_wait(&hid_ready[e], 0);
         if (a.mode >= kLoadsOnly) {
           sink ^= d.w.x ^ d.w.y ^ d.w.z ^ d.w.w ^ d.s;
@@ -317,9 +313,7 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1) gemv_probe(const Args a)
             acc1 = fmaf(m[2], kx::e8m0_to_float_nonzero((sb >> 8) & 0xFF), acc1);
           }
         }
-        if (kAsync) /* the slot was read back above (its loads come first in the warp's order): refill it */
-          vec.issue(j, a.w, scales, wl[warp][n + kInFlight < n_total ? n + kInFlight : 0], n + kInFlight < n_total,
-                    lane);
+        if (kAsync) vec.issue(j, a.w, scales, next, more, lane); /* the slot, read back above: refill it */
         stamp(a.stamps, kFirstMath, n == 0 && threadIdx.x == 0);
         stamp(a.stamps, kFc1Done, n == slots * kFc1WarpWv<kWarps> - 1 && threadIdx.x == 0);
         if (!(entry & kLast)) continue;
@@ -408,7 +402,7 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1) gemv_probe(const Args a)
       int ref = -127, bexp[kKbI];
 #pragma unroll
       for (int b = 0; b < kKbI; ++b) {
-        bexp[b] = block_exponent(warp_max(fabsf(v[b])));
+        bexp[b] = kx::mxfp8_exponent(warp_max(fabsf(v[b])), true);
         ref = max(ref, bexp[b]);
       }
 #pragma unroll
@@ -457,15 +451,6 @@ static void print_stamps(const Dev &d, int grid) {
   printf("\n");
 }
 
-__global__ void fill_random(uint32_t *p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 0x9E3779B1u ^ seed;
-    h ^= h >> 15;
-    h *= 0x85EBCA77u;
-    p[i] = h ^ (h >> 13);
-  }
-}
-
 }  // namespace
 
 int main() {
@@ -478,7 +463,7 @@ int main() {
   std::vector<Dev *> bufs;
   for (int b = 0; b < kBuffers; ++b) {
     bufs.push_back(new Dev((size_t)bytes));
-    fill_random<<<1024, 256, 0, s>>>(bufs.back()->as<uint32_t>(), bytes / 4, 0x1234567u * (b + 1));
+    fill_weights<<<1024, 256, 0, s>>>(bufs.back()->as<uint8_t>(), (size_t)bytes, 0x1234567u * (b + 1), 0);
   }
   std::vector<int> ids(kExperts), items, count;
   for (int e = 0; e < kExperts; ++e) ids[e] = e;

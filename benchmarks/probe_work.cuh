@@ -1,6 +1,7 @@
-/* probe_work.cuh: what the stream probes (small_read_probe.cu, one_token_probe.cu) put on a stream
- * to stand for a layer's own work: a spin of so many SM cycles, integer math on each loaded vector,
- * and the strided read that does that math on what it loads. Device code only. */
+/* probe_work.cuh: what the stream probes (small_read_probe.cu, one_token_probe.cu, gemv_probe.cu) put on
+ * a stream to stand for a layer's own work: a spin of so many SM cycles, integer math on each loaded
+ * vector, and the strided read that does that math on what it loads; and random weight bytes for the
+ * harnesses that stream them. Device code only. */
 #pragma once
 
 #include <stdint.h>
@@ -43,4 +44,15 @@ __device__ __forceinline__ uint32_t read_with_work(const uint4 *w, int64_t i, in
   }
   for (; i < end; i += stride) acc = work_on(acc, __ldcs(w + i), work);
   return acc;
+}
+
+/* Random FP4 bytes; scale bytes in [124, 130], so the weights stay finite. */
+__global__ void fill_weights(uint8_t *bytes, size_t n, uint32_t seed, int scales) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    bytes[i] = scales ? (uint8_t)(124 + h % 7) : (uint8_t)h;
+  }
 }
