@@ -505,14 +505,13 @@ void run_case(const Case &k, int sms, double hbm_TBps, cudaStream_t stream) {
 }  // namespace
 
 int main() {
-  int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   static_assert(sizeof(Shared) <= kSmemBytes, "the stages fit");
   CHECK(cudaFuncSetAttribute(slice_fused, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   CHECK(cudaFuncSetAttribute(slice_fused, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaStream_t stream;
-  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const double hbm = hbm_read_TBps(stream);
+  const StreamProbe probe;
+  const int sms = probe.sms;
+  const cudaStream_t stream = probe.s;
+  const double hbm = probe.floor_TBps;
   printf("%d SMs, HBM read %.2f TB/s, %d layers a graph; spins in cycles (start / per FC1 chunk / per FC2 chunk / "
          "after the swap); the experts kernel on v71: k3-tp8 B = 1 14.21 us, B = 2 25.97, TP16 B = 1 12.00\n",
          sms, hbm, kLayers);

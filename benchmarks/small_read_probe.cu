@@ -332,10 +332,11 @@ void print_timeline(const Case &c, const Bench &b, int64_t bytes) {
 }  // namespace
 
 int main(int argc, char **argv) {
+  const StreamProbe probe;
+  const double floor_TBps = probe.floor_TBps;
   Bench b;
-  CHECK(cudaDeviceGetAttribute(&b.sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaStreamCreateWithFlags(&b.s, cudaStreamNonBlocking));
-  const double floor_TBps = hbm_read_TBps(b.s);
+  b.sms = probe.sms;
+  b.s = probe.s;
 
   struct Size {
     const char *name;
