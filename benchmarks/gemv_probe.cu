@@ -365,7 +365,7 @@ __global__ void __launch_bounds__((kWarps + 1) * 32, 1) gemv_probe(const Args a)
     }
   }
   if (a.mode != kFull || f2_count == 0) return;
-/* every expert this CTA's FC2 takes, in the order they complete: lane e watches expert e's count of
+  /* every expert this CTA's FC2 takes, in the order they complete: lane e watches expert e's count of
    * FC1 items done; a complete expert's words are copied into shared memory (one copy each, all in
    * flight together), checked for this launch's tag, quantized and handed to the compute warps */
   const int e_first = f2[0] / kFc2ExpertItems, e_last = f2[f2_count - 1] / kFc2ExpertItems;
