@@ -131,20 +131,23 @@ void kx_device_str(kx_device d, char *buf, size_t n) {
     snprintf(buf, n, "an unsupported device");
 }
 
-void kx_shape_str(int ndim, const int64_t *shape, char *buf, size_t n) {
+/* "[a, b, ...]"; with any_sizes, a negative entry (a wanted shape's "any size") prints as *. */
+static void dims_str(int ndim, const int64_t *dims, int any_sizes, char *buf, size_t n) {
   size_t used = 0;
   int w = snprintf(buf, n, "[");
   if (w > 0) used = (size_t)w;
   for (int i = 0; i < ndim && used < n; i++) {
-    if (shape[i] < 0)
+    if (any_sizes && dims[i] < 0)
       w = snprintf(buf + used, n - used, i ? ", *" : "*");
     else
-      w = snprintf(buf + used, n - used, i ? ", %lld" : "%lld", (long long)shape[i]);
+      w = snprintf(buf + used, n - used, i ? ", %lld" : "%lld", (long long)dims[i]);
     if (w < 0) return;
     used += (size_t)w;
   }
   if (used < n) snprintf(buf + used, n - used, "]");
 }
+
+void kx_shape_str(int ndim, const int64_t *dims, char *buf, size_t n) { dims_str(ndim, dims, 0, buf, n); }
 
 static kx_device device_of(DLDevice d) {
   kx_device out = {KX_DEVICE_OTHER, d.device_id};
@@ -430,7 +433,7 @@ int kx_check_shape(const kx_tensor *t, const char *arg, int ndim, const int64_t 
   for (int i = 0; ok && i < ndim; i++) ok = shape[i] < 0 || shape[i] == t->shape[i];
   if (ok) return 0;
   char want[160], got[160];
-  kx_shape_str(ndim, shape, want, sizeof want);
+  dims_str(ndim, shape, 1, want, sizeof want);
   kx_shape_str(t->ndim, t->shape, got, sizeof got);
   if (t->ndim != ndim)
     PyErr_Format(PyExc_ValueError, "%s: expected a %d-D tensor of shape %s, got %d-D shape %s",
@@ -536,7 +539,6 @@ static void export_capsule_destructor(PyObject *capsule) {
     DLManagedTensor *m = PyCapsule_GetPointer(capsule, kCapsule);
     m->deleter(m);
   }
-  PyErr_Clear(); /* IsValid never raises; GetName on a used capsule neither */
 }
 
 static void fill_dltensor(kx_view *self, DLTensor *dl, int64_t *shape, int64_t *strides) {

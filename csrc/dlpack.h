@@ -181,8 +181,8 @@ kx_dtype kx_dtype_from_name(const char *name);
 /* "cpu", "cuda:N", "rocm:N", ... into buf. */
 void kx_dl_device_str(DLDevice device, char *buf, size_t n);
 void kx_device_str(kx_device device, char *buf, size_t n);
-/* "[16, 3584]" into buf. */
-void kx_shape_str(int ndim, const int64_t *shape, char *buf, size_t n);
+/* "[16, 3584]" into buf: a shape or strides (negative ones as they are). */
+void kx_shape_str(int ndim, const int64_t *dims, char *buf, size_t n);
 /* ValueError "<arg>: expected <expected>, got strides ... for shape ..."; returns -1. */
 int kx_raise_layout(const kx_tensor *t, const char *arg, const char *expected);
 

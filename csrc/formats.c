@@ -39,12 +39,14 @@ static int as_rows(const kx_tensor *t, const char *arg, int64_t *rows, int64_t *
   }
   const int last = t->ndim - 1;
   const int64_t cols = t->shape[last];
-  int64_t n = 1, stride = -1, expect = -1;
+  int64_t n = 1, stride = cols, expect = 0;
+  int found = 0; /* a flag, not a sentinel stride: a reversed view has a negative one */
   int ok = cols <= 1 || t->strides[last] == 1;
   for (int d = last - 1; d >= 0; d--) {
     n *= t->shape[d];
     if (t->shape[d] == 1) continue;
-    if (stride < 0) {
+    if (!found) {
+      found = 1;
       stride = t->strides[d];
       expect = stride * t->shape[d];
     } else {
@@ -52,7 +54,6 @@ static int as_rows(const kx_tensor *t, const char *arg, int64_t *rows, int64_t *
       expect *= t->shape[d];
     }
   }
-  if (stride < 0) stride = cols;
   ok = ok && (n <= 1 || cols == 0 || stride >= cols);
   if (!ok) return kx_raise_layout(t, arg, "a contiguous last dimension and evenly strided rows");
   *rows = n;

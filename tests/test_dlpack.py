@@ -281,6 +281,14 @@ def test_no_leak_over_many_calls(kx, layer):
     assert rss1 - rss0 < 32 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1500 steps"
 
 
+def test_unconsumed_export_keeps_the_pending_exception(kx):
+    """A DLPackView's capsule that dies unconsumed while an exception is being raised frees
+    its memory and leaves that exception as it was."""
+    view = kx.as_bfloat16(np.zeros(4, np.uint16))
+    with pytest.raises(IndexError):
+        [view.__dlpack__()][1]
+
+
 def test_gemm_numpy_weights_and_capsules(kx):
     from torch.utils.dlpack import to_dlpack
     from gemm_check import abs_products, assert_gemm_close, make_gemm_inputs, want_for

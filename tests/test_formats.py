@@ -345,3 +345,15 @@ def test_input_not_modified(kx):
     kx.quantize_mxfp8(x)
     kx.quantize_mxfp4(x)
     assert torch.equal(x.view(torch.int32), before.view(torch.int32)), "quantize modified its input"
+
+
+def test_row_strided_view_read_where_it_lies_reversed_refused(kx, ref):
+    """Rows a stride apart are quantized where they lie; a reversed view (a negative row
+    stride) is refused by name rather than read forward from its last row."""
+    wide = mixed_blocks((6, 128), seed_of("row-strided")).numpy()
+    assert_mxfp8_equal(kx, ref, wide[:, :64], "rceil", "row-strided numpy view")
+    assert_mxfp4_equal(kx, ref, wide[:, :64], "row-strided numpy view mxfp4")
+    for view in (wide[::-1], wide.reshape(2, 3, 128)[:, ::-1]):
+        for quantize, arg in ((kx.quantize_mxfp8, "x"), (kx.quantize_mxfp4, "w")):
+            with pytest.raises(ValueError, match=arg + r": expected .*strides \[.*-128"):
+                quantize(view)
