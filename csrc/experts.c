@@ -335,12 +335,12 @@ static PyObject *experts_prepare(PyObject *op, PyTypeObject *cls, PyObject *cons
   if (kx_arg_int64(v[0], "batch", &batch) < 0 ||
       (v[3] != NULL && kx_arg_bool(v[3], "combine", &combine) < 0))
     return NULL;
-  const int64_t rows = combine ? batch : batch * self->desc.top_k;
   if (batch < 1 || batch > INT32_MAX / KX_MAX_TOP_K) {
     PyErr_Format(PyExc_ValueError, "batch: expected 1 <= batch <= %d, got %lld",
                  INT32_MAX / KX_MAX_TOP_K, (long long)batch);
     return NULL;
   }
+  const int64_t rows = combine ? batch : batch * self->desc.top_k;
 
   PyObject *scratch_obj = v[1];
   if (!PyObject_TypeCheck(scratch_obj, st->scratch_type)) {

@@ -380,7 +380,6 @@ int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, void *scratch,
 
 struct kx_gpu_gemm {
   kx_gemm_config config;
-  void *scratch;
   int32_t n, k;
   int device;
 };
@@ -406,49 +405,35 @@ kx_gpu_gemm *kx_gpu_gemm_create(kx_state *st, int32_t n, int32_t k, int device) 
     PyMem_Free(gemm);
     return NULL;
   }
-  size_t bytes = kx_gemm_scratch_bytes(n, k, &gemm->config);
-  if (kx_gpu_alloc_zeroed(st, device, bytes, &gemm->scratch) < 0) {
-    PyMem_Free(gemm);
-    return NULL;
-  }
   return gemm;
 }
 
-void kx_gpu_gemm_destroy(kx_gpu_gemm *gemm) {
-  if (gemm == NULL) return;
-  kx_gpu_free(gemm->device, gemm->scratch);
-  PyMem_Free(gemm);
-}
+void kx_gpu_gemm_destroy(kx_gpu_gemm *gemm) { PyMem_Free(gemm); }
 
 int kx_gpu_gemm_run(kx_state *st, const kx_gpu_gemm *gemm, const kx_cpu_gemm_call *call,
                     uintptr_t stream) {
-  const int64_t chunk = gemm->config.max_m > 0 ? gemm->config.max_m : call->m;
+  /* m <= INT32_MAX (prepare); kx_gemm_run checks everything, then launches per 64 rows */
+  const kx_gemm_args args = {
+      .config = gemm->config,
+      .w = call->w,
+      .n = gemm->n,
+      .k = gemm->k,
+      .x = call->x,
+      .x_row_stride = call->x_row_stride,
+      .m = (int32_t)call->m,
+      .split_epilogue = call->split_epilogue,
+      .y = call->y,
+      .y_row_stride = call->y_row_stride,
+      .logits = call->logits,
+      .logits_row_stride = call->logits_row_stride,
+      .valid = (int32_t)call->valid,
+      .latent = call->latent,
+      .latent_row_stride = call->latent_row_stride,
+      .split = (int32_t)call->split,
+  };
   dev_guard g;
   if (guard_enter(st, gemm->device, &g) < 0) return -1;
-  cudaError_t err = cudaSuccess;
-  for (int64_t row = 0; row < call->m && err == cudaSuccess; row += chunk) {
-    const int64_t m = call->m - row < chunk ? call->m - row : chunk;
-    kx_gemm_args args = {
-        .config = gemm->config,
-        .w = call->w,
-        .n = gemm->n,
-        .k = gemm->k,
-        .x = call->x + row * call->x_row_stride,
-        .x_row_stride = call->x_row_stride,
-        .m = (int32_t)m,
-        .split_epilogue = call->split_epilogue,
-        .y = call->y ? call->y + row * call->y_row_stride : NULL,
-        .y_row_stride = call->y_row_stride,
-        .logits = call->logits ? call->logits + row * call->logits_row_stride : NULL,
-        .logits_row_stride = call->logits_row_stride,
-        .valid = (int32_t)call->valid,
-        .latent = call->latent ? call->latent + row * call->latent_row_stride : NULL,
-        .latent_row_stride = call->latent_row_stride,
-        .split = (int32_t)call->split,
-        .scratch = gemm->scratch,
-    };
-    err = kx_gemm_run(&args, as_stream(stream));
-  }
+  const cudaError_t err = kx_gemm_run(&args, as_stream(stream));
   guard_leave(&g);
   if (err != cudaSuccess) return raise_cuda(st, err, "kx_gemm_run");
   return 0;

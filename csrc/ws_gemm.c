@@ -36,6 +36,20 @@ static kx_state *state_of(PyTypeObject *defining_class) {
   return (kx_state *)PyType_GetModuleState(defining_class);
 }
 
+/* The CUDA kernel reads W and x through tensor maps (kimi_kernels.h): 16-byte aligned starts and
+ * x's rows a multiple of 8 elements apart (a single row has no stride to speak of). */
+static int check_tma_operand(const kx_tensor *t, const char *arg, int64_t rows) {
+  const unsigned misaligned = (unsigned)((uintptr_t)t->data & 15);
+  const int64_t stride = kx_row_stride(t);
+  if (misaligned == 0 && (rows <= 1 || stride % 8 == 0)) return 0;
+  PyErr_Format(PyExc_ValueError,
+               "%s: the CUDA kernel expects a 16-byte aligned start and a row stride that is a "
+               "multiple of 8 elements, got an address %u bytes past 16-byte alignment and row "
+               "stride %lld (make it contiguous, e.g. .contiguous())",
+               arg, misaligned, (long long)stride);
+  return -1;
+}
+
 static PyObject *gemm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
   static const char *const names[] = {"W", "split", "valid", NULL};
   static const kx_argspec spec = {"WsGemm", names, 1, 1};
@@ -90,7 +104,8 @@ static PyObject *gemm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) 
     goto fail;
   }
   if (self->device.kind == KX_DEVICE_CUDA) {
-    if (kx_gpu_require("W", self->device.id) < 0) goto fail;
+    if (check_tma_operand(&self->w, "W", self->n) < 0 || kx_gpu_require("W", self->device.id) < 0)
+      goto fail;
     self->gpu = kx_gpu_gemm_create(st, (int32_t)self->n, (int32_t)self->k, self->device.id);
     if (self->gpu == NULL) goto fail;
   }
@@ -234,7 +249,8 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (kx_tensor_import(v[0], "x", dlstream, &x) < 0) return NULL;
   if (kx_check_device(&x, "x", self->device) < 0 ||
       kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 || kx_check_shape(&x, "x", 2, x_shape) < 0 ||
-      kx_check_rows(&x, "x") < 0) {
+      kx_check_rows(&x, "x") < 0 ||
+      (self->gpu != NULL && check_tma_operand(&x, "x", self->m) < 0)) {
     kx_tensor_release(&x);
     return NULL;
   }
@@ -260,11 +276,14 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (self->gpu != NULL) {
     rc = kx_gpu_gemm_run(state_of(cls), self->gpu, &call, stream);
   } else {
-    PyObject *keep = Py_NewRef(self->result); /* outputs stay alive while unlocked */
+    /* Hold the outputs' memory while other threads may run (and re-prepare): their owners, since
+     * result may be a consumed capsule, which keeps nothing alive. */
+    PyObject *keep[3] = {Py_XNewRef(self->y.owner), Py_XNewRef(self->logits.owner),
+                         Py_XNewRef(self->latent.owner)};
     Py_BEGIN_ALLOW_THREADS
     kx_cpu_gemm(&call);
     Py_END_ALLOW_THREADS
-    Py_DECREF(keep);
+    for (int i = 0; i < 3; i++) Py_XDECREF(keep[i]);
   }
   kx_tensor_release(&x);
   if (rc < 0) return NULL;

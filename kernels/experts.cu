@@ -28,9 +28,10 @@
  *      one-token launches also run their routing and x's quantization once on dummy
  *      data there, which warms the code of their start (warm_then_run);
  *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or on one
- *      warp when a launch has at most 32 pairs) -> units of <= 8 tokens; meanwhile the MMA
+ *      warp when a launch has at most 32 pairs and 8 tokens) -> units of <= 8 tokens; meanwhile the MMA
  *      warps quantize their share of x to MXFP8 in scratch and a grid-wide counter says
  *      done (the activation producers wait for it before their first activation copy);
+ *   2. the epilogue warps write NaN into the rows of bad ids, which no tile writes (write_nan_rows);
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8
@@ -321,7 +322,11 @@ extern "C" size_t kx_moe_scratch_bytes(const kx_moe_shape *shape, const kx_moe_c
 extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   using namespace kx;
   const kx_moe_shape &s = a->shape;
-  if (!shape_ok(s) || a->config.grid < 1 || a->config.chunk_tokens < 1) return cudaErrorInvalidValue;
+  /* a config kx_moe_configure could have made: the grid's call words and the routing's token
+   * masks and tables are sized by these bounds */
+  if (!shape_ok(s) || a->config.grid < 1 || a->config.grid > kMaxGrid || a->config.chunk_tokens < 1 ||
+      a->config.chunk_tokens > launch_tokens_for(s))
+    return cudaErrorInvalidValue;
   const ScratchLayout S = scratch_layout(s, a->config.chunk_tokens);
   uint8_t *scratch = (uint8_t *)a->scratch;
   Params p{};

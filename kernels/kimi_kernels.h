@@ -63,8 +63,10 @@ typedef struct kx_moe_config {
   int32_t chunk_tokens;  /* tokens per launch; run() launches ceil(B / chunk) times */
 } kx_moe_config;
 
-/* Picks the config for this device and checks co-residency; raises the kernel's
- * shared-memory limit. Returns cudaErrorInvalidConfiguration if the shape cannot run. */
+/* Picks the config for `device`, which must be the current device (the kernel attributes are
+ * set there), and checks co-residency; raises the kernel's shared-memory limit. Returns
+ * cudaErrorInvalidValue for a shape outside SPEC 3's limits, cudaErrorInvalidConfiguration if
+ * the device cannot run it (shared memory, grid, residency). */
 cudaError_t kx_moe_configure(const kx_moe_shape *shape, int device, kx_moe_config *config);
 
 /* Scratch bytes one layer of this shape needs; every layer of a model may share one
@@ -129,9 +131,6 @@ typedef struct kx_gemm_config {
  * Returns cudaErrorInvalidValue for N < 1 or K not a positive multiple of 64. */
 cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_gemm_config *config);
 
-/* Always 0 (no scratch); kept so the host code need not change if that ever changes. */
-size_t kx_gemm_scratch_bytes(int32_t n, int32_t k, const kx_gemm_config *config);
-
 typedef struct kx_gemm_args {
   kx_gemm_config config;   /* from kx_gemm_configure(n, k, ...) for this n and k */
   const uint16_t *w;       /* bf16 [N, K], contiguous */
@@ -148,7 +147,6 @@ typedef struct kx_gemm_args {
   uint16_t *latent;        /* split: bf16 [M, N - split]; may be NULL when split == N */
   int64_t latent_row_stride;
   int32_t split;
-  void *scratch;           /* kx_gemm_scratch_bytes, or NULL when that is 0 (unused) */
 } kx_gemm_args;
 
 /* Launches on `stream` with cudaLaunchKernelEx (cluster dims + programmatic stream

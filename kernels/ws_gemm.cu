@@ -794,8 +794,6 @@ extern "C" cudaError_t kx_gemm_configure(int32_t n, int32_t k, int device, kx_ge
   return cudaSuccess;
 }
 
-extern "C" size_t kx_gemm_scratch_bytes(int32_t, int32_t, const kx_gemm_config *) { return 0; }
-
 extern "C" cudaError_t kx_gemm_run(const kx_gemm_args *a, cudaStream_t stream) {
   /* ---- checks: everything is validated before the first launch --------------------------- */
   if (a == nullptr) return cudaErrorInvalidValue;

@@ -11,8 +11,8 @@ class WsGemm(_C.WsGemm):
     Parameters
     ----------
     W : bf16 tensor [N, K]
-        Weights, contiguous, K % 64 == 0. Held (not copied): the kernel reads it in
-        place, so keep it unchanged while the WsGemm is in use.
+        Weights, contiguous, K % 64 == 0, on CUDA 16-byte aligned. Held (not copied):
+        the kernel reads it in place, so keep it unchanged while the WsGemm is in use.
     split, valid : int, optional
         Both None: plain output, all N columns as bf16. Both given, with
         0 <= valid <= split <= N: the split epilogue, columns [0, valid) as float32
@@ -71,7 +71,8 @@ class WsGemm(_C.WsGemm):
         Parameters
         ----------
         x : bf16 tensor [m, K]
-            Column stride 1, any row stride.
+            Column stride 1, any row stride >= K; on CUDA 16-byte aligned with a row
+            stride that is a multiple of 8.
         stream : int or stream object, optional
             CUDA only (default: PyTorch's current stream for torch tensors, else 0).
 

@@ -217,3 +217,34 @@ def test_device_mismatch(kx, weights):
     g.prepare(2, out)
     with pytest.raises(ValueError, match="x"):
         g.run(torch.zeros((2, 64), dtype=torch.bfloat16))
+
+
+def test_layouts_the_kernel_cannot_read_are_refused_by_name(kx, weights):
+    """The kernel reads W and x through tensor maps: a start off 16-byte alignment or x rows a
+    stride apart that is not a multiple of 8 elements is a ValueError naming the argument
+    before any launch (not a CUDA error), and one row may have any stride. Nothing is written."""
+    N, K, M = 256, 64, 4
+    W = weights(N, K)
+    flat = torch.zeros(N * K + 1, dtype=torch.bfloat16, device=DEV)
+    flat[1:] = W.flatten()
+    with pytest.raises(ValueError, match=r"W: .*16-byte aligned"):
+        kx.WsGemm(flat[1:].view(N, K))
+    g = kx.WsGemm(W)
+    out = poison_(torch.empty((M, N), dtype=torch.bfloat16, device=DEV), 0x1234)
+    g.prepare(M, out)
+    x = make_gemm_inputs(M, N, K, seed_of("gpu-gemm-layouts"), DEV)[0]
+    off = torch.zeros(M * K + 1, dtype=torch.bfloat16, device=DEV)
+    off[1:] = x.flatten()
+    uneven = torch.zeros((M, K + 4), dtype=torch.bfloat16, device=DEV)
+    uneven[:, :K] = x
+    for what, bad in [("misaligned", off[1:].view(M, K)), ("row stride K + 4", uneven[:, :K])]:
+        with pytest.raises(ValueError, match=r"x: .*multiple of 8 elements"):
+            g.run(bad)
+        sync_or_die(what)
+        assert count_bits(out, 0x1234) == M * N, f"{what}: a refused run wrote its output"
+    one = kx.WsGemm(W)
+    one.prepare(1, out[:1])
+    one.run(uneven[:1, :K])  # one row: its stride is never used
+    sync_or_die("one row")
+    assert_gemm_close(out[:1], want_for(x[:1], W), abs_products(x[:1], W), "one row of a K + 4 buffer",
+                      bf16=True)
