@@ -1,9 +1,9 @@
 /* quantize.cu: bf16 -> MXFP8 on the device (SPEC 2), the plan step on its own.
  *
- * The experts kernel quantizes x with the same quantize_block32 inside its own
- * launch; this entry point exposes it to kx.quantize_mxfp8 for CUDA tensors so tests
- * can hold the device result bit for bit against the CPU backend and the reference.
- * One thread per block of 32 values: 64 bytes in, 32 + 1 bytes out.
+ * The experts kernel quantizes x inside its own launch (quantize_store_x, bit for bit
+ * quantize_block32's rceil); this entry point exposes quantize_block32 to kx.quantize_mxfp8
+ * for CUDA tensors, so tests hold the device result bit for bit against the CPU backend and
+ * the reference. One thread per block of 32 values: 64 bytes in, 32 + 1 bytes out.
  */
 #include <cuda_bf16.h>
 
@@ -26,9 +26,14 @@ __global__ void quantize_mxfp8_kernel(kx_quantize_args a) {
   for (int i = 0; i < kMxBlock; ++i) v[i] = __bfloat162float(src[i]);
   uint32_t q[kMxBlock / 4];
   a.scales[b] = quantize_block32(v, a.floor_mode != 0, q);
-  uint32_t *dst = (uint32_t *)(a.q + r * a.cols + kb * kMxBlock);
+  uint8_t *dst = a.q + r * a.cols + kb * kMxBlock;
+  if (((uintptr_t)a.q & 3) == 0) { /* every block alike: cols % 32 == 0 */
 #pragma unroll
-  for (int i = 0; i < kMxBlock / 4; ++i) dst[i] = q[i];
+    for (int i = 0; i < kMxBlock / 4; ++i) ((uint32_t *)dst)[i] = q[i];
+  } else { /* a caller's uint8 view that starts off a word */
+#pragma unroll
+    for (int i = 0; i < kMxBlock; ++i) dst[i] = (uint8_t)(q[i / 4] >> (8 * (i % 4)));
+  }
 }
 
 }  // namespace

@@ -50,7 +50,8 @@ def quantize_mxfp8(x, scale: str = "rceil", *, stream=None, out=None):
     out : (q, scales), optional
         Tensors to write into instead of allocating (uint8, contiguous, the shapes
         below, on x's device). Needed for CUDA input that is neither a torch tensor
-        nor a CuPy array (those get outputs of their own kind).
+        nor a CuPy array (those get outputs of their own kind). With ``out``, a CUDA x
+        must be bfloat16 (the device quantizer's input).
 
     Returns
     -------

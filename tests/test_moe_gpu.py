@@ -69,17 +69,23 @@ def test_device_quantizer_bit_exact(kx, mode, B):
     assert torch.equal(q.cpu()[finite], rq[finite]), f"{what}: elements differ from the reference"
 
 
-def test_device_quantizer_strided_input(kx):
-    """A row-strided CUDA input is quantized correctly or rejected with ValueError."""
-    x = make_x(9, 3584 + 64, seed_of("dq-stride")).to(DEV)
+def test_device_quantizer_strided_input_and_unaligned_outputs(kx):
+    """A row-strided CUDA input (its last axis contiguous) is quantized where it lies, into
+    caller-given outputs that start off a 4-byte word as well as into aligned ones."""
+    rows, K = 9, 3584
+    x = make_x(rows, K + 64, seed_of("dq-stride")).to(DEV)
     view = x[:, 64:]
-    try:
-        q, s = kx.quantize_mxfp8(view)
-    except ValueError as e:
-        assert "x" in str(e), str(e)
-        return
     qc, sc = kx.quantize_mxfp8(view.cpu().contiguous())
+    q, s = kx.quantize_mxfp8(view)
     assert torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc), "strided device input"
+    for offset in (1, 2, 3):
+        qbuf = torch.full((rows * K + offset,), 0x7F, dtype=torch.uint8, device=DEV)
+        sbuf = torch.full((rows * K // 32 + offset,), 0x7F, dtype=torch.uint8, device=DEV)
+        q, s = kx.quantize_mxfp8(view, out=(qbuf[offset:].view(rows, K), sbuf[offset:].view(rows, K // 32)))
+        sync_or_die(f"unaligned outputs offset={offset}")
+        assert torch.equal(q.cpu(), qc) and torch.equal(s.cpu(), sc), f"outputs {offset} bytes off a word"
+        assert bool((qbuf[:offset] == 0x7F).all() and (sbuf[:offset] == 0x7F).all()), (
+            f"offset={offset}: bytes before the outputs changed")
 
 
 # --------------------------------------------------------------------------- every batch size
