@@ -113,8 +113,8 @@ __device__ __forceinline__ void park_partials(float *reduce, const float (&acc)[
   r[(2 * t + 1) * kStripRows + g + 8] = acc[3];
 }
 
-/* What one MMA warp does in every tile of a phase, fixed once per phase: 16 warps over 2,
- * 4, 8 or 16 strips (shifts, no divisions), the units of its full chunks and of a shorter
+/* What one MMA warp does in every tile of a phase, fixed once per phase: 16 warps over 4,
+ * 8 or 16 strips (shifts, no divisions), the units of its full chunks and of a shorter
  * last chunk (chunks are cut equal, moe_layout.cuh, so most shapes have none). */
 struct ConsumerPlan {
   int k_step, units, full_chunks, last_units;

@@ -12,8 +12,9 @@ namespace {
 
 /* ---- epilogues: one warp per tile, off the MMA warps' path --------------------------- */
 /* Each tile's epilogue is two steps: store_*_sums reads the tile's partial sums out of
- * the warp's reduction slot, then publish_* does the global hand-offs (counters, fences,
- * the unit's quantization, the combine's arrivals) after the slot went back to the MMA warps. */
+ * the warp's reduction slot, then the global hand-offs follow once the slot went back to the
+ * MMA warps (publish_fc1_tile: counters, fences, the unit's quantization; count_combine_arrivals:
+ * the combine's arrivals). */
 
 /* What an epilogue warp needs of its tile's tokens, fetched while the MMA warps still work
  * on the tile, so the slot is held only for the sums. Lane i < count: token i, its row

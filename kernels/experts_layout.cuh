@@ -57,8 +57,10 @@ constexpr int kActBlockBytes = kMxBlock * 2;          /* activations travel as f
 /* Activation rows in a stage, chunk_kb k-blocks each: the row pitch is a multiple of 128
  * bytes plus 64 of padding, so the 8 rows' 16-byte fragment loads hit all banks. */
 constexpr int kActRowPad = 64;
-KX_HOST_DEVICE constexpr int act_row_values(int chunk_kb) { return (chunk_kb * kActBlockBytes + 127) / 128 * 128; }
-KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return act_row_values(chunk_kb) + kActRowPad; }
+KX_HOST_DEVICE constexpr int act_row_value_bytes(int chunk_kb) {
+  return (chunk_kb * kActBlockBytes + 127) / 128 * 128;
+}
+KX_HOST_DEVICE constexpr int act_row_bytes(int chunk_kb) { return act_row_value_bytes(chunk_kb) + kActRowPad; }
 constexpr int kActRowBytes = act_row_bytes(kMaxChunkKb); /* FC1's x rows: room for any chunk */
 constexpr int kStageWeightBytes = kChunkMaxBytes;
 constexpr int kStageActBytes = kGroupTokens * kActRowBytes;
@@ -73,8 +75,8 @@ constexpr int kLocalXMaxTokens = 1; /* at B = 2 local x was 5 % slower (session 
 constexpr int kSmemBudget = 227 * 1024; /* sm_90's opt-in shared memory per block */
 KX_HOST_DEVICE constexpr int local_x_pitch(int hidden) { return act_row_bytes(hidden / kMxBlock); }
 /* A shorter last chunk's uncounted units are loaded too (consume_units), up to a chunk past
- * the last x row: at H = 4224 (132 k-blocks, then in 28-block chunks: 4 x 27 + 24) 64 bytes
- * past the end of shared memory without this room. */
+ * the last x row: at H = 4224 (132 k-blocks in chunks of 15: 8 x 15 + 12) 128 bytes past the
+ * end of shared memory without this room. */
 constexpr int kLocalXOverread = kMaxChunkKb * kActBlockBytes;
 constexpr int kConsumerBarrier = 1;
 constexpr int kRoutedBarrier = 3; /* the routing warps arrive, the MMA warps wait (2 is route.cuh's) */
@@ -99,7 +101,7 @@ KX_HOST_DEVICE int block_row_bytes(const PhaseShape &ph) { return act_row_bytes(
  * row's, quantize_store) and leaves the row's chunk multiplier, an fp32 power of two, at this
  * offset + 4 * row in the padding of the stage's first activation row; the MMA warps apply
  * them once per chunk, not per unit. */
-KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_values(ph.chunk_kb); }
+KX_HOST_DEVICE int chunk_scale_offset(const PhaseShape &ph) { return act_row_value_bytes(ph.chunk_kb); }
 static_assert(kActRowPad >= 4 * kGroupTokens, "a chunk's multipliers, one per row, fit a block row's padding");
 /* Which launches are tagged: those whose FC1 takes at most kTaggedFc1Rounds rounds of the
  * grid (tokens x K units of fc1.tiles tiles at most; one token has local x too). A unit's

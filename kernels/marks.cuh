@@ -7,8 +7,9 @@
  * launch-wide index (tile i is CTA i % grid's; tiles past kMarkMaxTiles are not kept), so a
  * stamp costs no division; lane 0 of the router / weight warp, of an activation warp and of an
  * epilogue warp stamp the routing's, the copies' and the epilogues' slots.
- * Nothing is stamped inside the chunk loops, whose schedule the stamps would change, but for
- * two clock reads around each full wait of the MMA warps (KX_TIMED_WAIT, summed per tile). Each
+ * Nothing is stamped inside the MMA warps' chunk loops, whose schedule the stamps would change,
+ * but for two clock reads around each full wait (KX_TIMED_WAIT, summed per tile); the copy
+ * warps stamp a tile's first chunks only. Each
  * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
 #pragma once
@@ -62,7 +63,7 @@ enum MarkSlot {
 };
 static_assert(kMarkCombineBack + 1 == kMarkSlots, "every slot has its word");
 
-constexpr int kMarkSeenChunks = 3; /* a one-token FC2 tile's chunks whose hand-off is stamped */
+constexpr int kMarkSeenChunks = 3; /* a tagged FC2 tile's chunks whose hand-off is stamped */
 
 enum TileMark {
   kMarkTileEnter, /* the loop's top, before the tile's lookups */
@@ -74,11 +75,11 @@ enum TileMark {
   kMarkTileParked,   /* its epilogue warp found every MMA warp's sums parked */
   kMarkTileEpilogue, /* ... and had stored them (its rows, or h / the tagged hidden words) */
   /* these on %globaltimer (ns), since they are compared across CTAs (kMarkTilePolls: a count): */
-  kMarkTileStored, /* one-token FC1 tiles: the epilogue warp stored its tagged hidden words */
-  kMarkTileSeen,   /* one-token FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
+  kMarkTileStored, /* FC1 tiles: the epilogue warp stored h (tagged launches: its hidden words) */
+  kMarkTileSeen,   /* tagged FC2 tiles: chunk c's hidden words seen and widened, at kMarkTileSeen + c (c < 3) */
   kMarkTilePolled = kMarkTileSeen + kMarkSeenChunks,   /* ... its activation warp began polling them (ns) */
   kMarkTilePolls = kMarkTilePolled + kMarkSeenChunks,  /* ... and how many polls it took (a count, not a clock) */
-  /* one-token FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
+  /* tagged FC1 tiles, clock64 on the epilogue warp, between kMarkTileParked and kMarkTileEpilogue: */
   kMarkTileSummed = kMarkTilePolls + kMarkSeenChunks, /* the partial sums loaded and added (gate and up) */
   kMarkTileActivated,                   /* SiTU done */
   /* launches of several tokens, %globaltimer (ns): */

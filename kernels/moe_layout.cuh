@@ -30,11 +30,10 @@
 
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define KX_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define KX_HOST_DEVICE static inline
+#ifndef __CUDACC__
+#error "moe_layout.cuh is CUDA C (nvcc); csrc/ reaches the kernels through kimi_kernels.h only"
 #endif
+#define KX_HOST_DEVICE __host__ __device__ __forceinline__
 
 namespace kx {
 

@@ -17,15 +17,13 @@
  * weight scale alone; the sums are multiplied by 2^(R + 14) once per output (the 2^14
  * undoes the FP4 placement, 2^R the reference). Tagged launches' hidden blocks (launches
  * whose FC1 takes few rounds) are folded the same way relative to each row's largest block in
- * an FC2 chunk instead, and the chunk's sums take 2^R once per row (experts.cu,
- * kTaggedFc1Rounds and gather_hidden_blocks).
+ * an FC2 chunk instead, and the chunk's sums take 2^R once per row (kTaggedFc1Rounds in
+ * experts_layout.cuh, gather_hidden_blocks in experts_producers.cuh).
  */
 #pragma once
 
 #include <cuda_fp8.h>
 #include <stdint.h>
-
-#include "moe_layout.cuh"
 
 namespace kx {
 

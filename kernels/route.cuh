@@ -5,8 +5,8 @@
  * before weights can stream (a separate routing launch costs more than the whole B=1
  * floor). A group of kRouteThreads threads routes and syncs on its own named barrier,
  * so the rest of the CTA can do other work meanwhile; `tid` is a thread's index in it.
- * A launch of at most 32 pairs (B = 1, 2 at K = 16) is routed by one warp of the group
- * instead, with warp votes and no barrier (route_one_warp), into the same tables.
+ * A launch of at most 32 pairs and 8 tokens (B = 1, 2 at K = 16) is routed by one warp of
+ * the group instead, with warp votes and no barrier (route_one_warp), into the same tables.
  * Everything is deterministic: the expert order is the order of first appearance in
  * the pairs, and the tokens of an expert are in ascending token order (a 64-bit token
  * mask per expert), so all CTAs agree on every row index.
@@ -31,9 +31,9 @@
 
 namespace kx {
 
-constexpr int kRouteWarps = 8; /* experts.cu: its warps that are not MMA warps (checked there) */
+constexpr int kRouteWarps = 8; /* the experts kernel's warps that are not MMA warps (checked in experts_layout.cuh) */
 constexpr int kRouteThreads = kRouteWarps * 32;
-constexpr int kRouteBarrier = 2; /* named barrier id (0: __syncthreads, 1: experts.cu's MMA warps) */
+constexpr int kRouteBarrier = 2; /* named barrier id (0: __syncthreads, 1: the MMA warps', experts_layout.cuh) */
 constexpr int kMaxPairs = 1024;
 constexpr int kMaxLaunchTokens = 64; /* token masks are 64-bit */
 constexpr int kGroupTokens = 8;      /* tokens per unit: one MMA n-tile */
@@ -60,7 +60,6 @@ struct Routing {
 /* Tokens of unit u, its expert and where its hidden rows start. */
 struct Unit {
   int expert;      /* global expert id */
-  int compact;     /* compact index c */
   int count;       /* tokens in this unit, 1..8 */
   int first_rank;  /* rank of its first token within the expert: 8 * group */
   int row0;        /* hidden row of its first token */
@@ -69,13 +68,13 @@ struct Unit {
 
 __device__ __forceinline__ Unit unit_info(const Routing &r, int u) {
   Unit x;
-  x.compact = r.unit_expert[u];
-  x.expert = r.expert_id[x.compact];
-  x.mask = r.token_mask[x.compact];
+  const int c = r.unit_expert[u];
+  x.expert = r.expert_id[c];
+  x.mask = r.token_mask[c];
   x.first_rank = kGroupTokens * r.unit_group[u];
   int n = __popcll(x.mask) - x.first_rank;
   x.count = n < kGroupTokens ? n : kGroupTokens;
-  x.row0 = (r.expert_scan[x.compact] >> 16) + x.first_rank;
+  x.row0 = (r.expert_scan[c] >> 16) + x.first_rank;
   return x;
 }
 
