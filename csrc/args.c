@@ -7,7 +7,6 @@
 #include "kx.h"
 
 #include <stdarg.h>
-#include <string.h>
 
 static int count_names(const kx_argspec *spec) {
   int n = 0;

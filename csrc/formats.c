@@ -16,7 +16,6 @@
 #include "kx.h"
 
 #include <numpy/arrayobject.h>
-#include <string.h>
 
 #include "cpu/cpu_backend.h"
 #include "gpu.h"

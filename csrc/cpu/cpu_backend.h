@@ -14,17 +14,7 @@ typedef enum kx_scale_mode { KX_SCALE_RCEIL = 0, KX_SCALE_FLOOR = 1 } kx_scale_m
 typedef enum kx_elem_type { KX_ELEM_F32 = 0, KX_ELEM_BF16 = 1, KX_ELEM_F16 = 2 } kx_elem_type;
 
 /* ---- scalar codecs (SPEC 2) ---- */
-float kx_bf16_to_float(uint16_t bits);
-uint16_t kx_float_to_bf16(float v);          /* round to nearest even; NaN stays NaN */
 float kx_f16_to_float(uint16_t bits);
-float kx_e8m0_to_float(uint8_t s);            /* 2^(s-127); 0xFF -> NaN */
-float kx_e4m3_to_float(uint8_t q);
-uint8_t kx_e4m3_from_float(float v);          /* RNE, saturate to +-448, NaN -> 0x7F */
-float kx_e2m1_to_float(uint8_t nibble);
-uint8_t kx_e2m1_from_float(float v);          /* RNE onto the e2m1 grid, saturate at 6 */
-/* Scale byte for one block of 32 with this amax (NaN/Inf amax -> 0xFF). */
-uint8_t kx_mxfp8_scale(float amax, kx_scale_mode mode);
-uint8_t kx_mxfp4_scale(float amax);
 
 /* ---- block quantizers over a [rows, cols] matrix, cols % 32 == 0 ----
  * x: rows with x_row_stride elements apart, of the given element type.

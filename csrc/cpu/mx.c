@@ -72,14 +72,8 @@ static const minifloat E2M1 = {1, 1, 0x7, 6.0f};
 
 /* ---- scalar codecs ---- */
 
-float kx_e8m0_to_float(uint8_t s) { return kx_e8m0_value(s); }
-
 /* 2^e for e in [-127, 127], exact. */
 static float exp2_exact(int32_t e) { return kx_e8m0_value((uint8_t)(e + E8M0_BIAS)); }
-
-float kx_bf16_to_float(uint16_t bits) { return kx_bf16_widen(bits); }
-
-uint16_t kx_float_to_bf16(float v) { return kx_bf16_round(v); }
 
 float kx_f16_to_float(uint16_t bits) {
   const uint32_t sign = (uint32_t)(bits >> 15) << 31; /* the sign bit moves to bit 31 */
@@ -148,12 +142,6 @@ static uint8_t e2m1_encode(float v) {
   return (uint8_t)(sign | minifloat_encode(fabsf(v), &E2M1));
 }
 
-/* The exported codecs; code in this file calls the static ones, which inline. */
-float kx_e4m3_to_float(uint8_t q) { return e4m3_decode(q); }
-uint8_t kx_e4m3_from_float(float v) { return e4m3_encode(v); }
-float kx_e2m1_to_float(uint8_t nibble) { return e2m1_decode(nibble); }
-uint8_t kx_e2m1_from_float(float v) { return e2m1_encode(v); }
-
 /* ---- block scales ---- */
 
 /* a = (1 + fraction / 2^23) * 2^returned, for finite a > 0 (subnormals included). */
@@ -182,9 +170,6 @@ static uint8_t scale_byte(float amax, const minifloat *f, kx_scale_mode mode) {
   e = e < SCALE_EXP_MIN ? SCALE_EXP_MIN : (e > SCALE_EXP_MAX ? SCALE_EXP_MAX : e);
   return (uint8_t)(e + E8M0_BIAS);
 }
-
-uint8_t kx_mxfp8_scale(float amax, kx_scale_mode mode) { return scale_byte(amax, &E4M3, mode); }
-uint8_t kx_mxfp4_scale(float amax) { return scale_byte(amax, &E2M1, KX_SCALE_RCEIL); }
 
 /* max|v| over one block, or NaN when any element is NaN or infinite. */
 static float block_amax(const float *v) {
