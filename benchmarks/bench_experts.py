@@ -140,6 +140,8 @@ def main():
         ap.error(f"--out: {os.path.basename(args.out)} is the {'rows' if args.combine else 'combined'} output's record")
     if args.replays < 50:
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
+    if args.layers < 1:
+        ap.error("--layers: at least 1")
     if args.rounds < 1:
         ap.error("--rounds: at least 1")
     refuse_study_over_record(ap, "--rounds", args.rounds > 1, args.out, record)

@@ -207,6 +207,8 @@ def main():
     parser.add_argument("--out", default=record)
     parser.add_argument("--no-chain", action="store_true")
     args = parser.parse_args()
+    if args.replays < 50:
+        parser.error("--replays: use at least 50 (the median of many replays is the figure)")
     if args.warmup_ms < 0:
         parser.error("--warmup-ms: at least 0")
     refuse_study_over_record(parser, "--warmup-ms", args.warmup_ms > 0, args.out, record)

@@ -121,10 +121,7 @@ def probe_read(buf, stream=None) -> None:
     from kimi_experts import _C
 
     stream = torch.cuda.current_stream() if stream is None else stream
-    try:
-        _C.probe_read(buf, stream.cuda_stream)
-    except TypeError:  # a binding that wants the stream object rather than its handle
-        _C.probe_read(buf, stream)
+    _C.probe_read(buf, stream.cuda_stream)
 
 
 def measure_hbm_read_bandwidth(nbytes: int = 4 << 30, replays: int = 20) -> float:

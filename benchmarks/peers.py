@@ -16,8 +16,8 @@
   (SPEC 8); none has an adapter yet, because no machine this project runs on has any of them
   (the GPU machine has no network, and vLLM's wheel is too large to carry there).
 floor_us is the distinct routed experts' weight bytes over the HBM read bandwidth measured in
-this run; ratio = us / floor_us; vs_kimi = us / kimi_experts' us at the same B. Writes JSON,
-prints a table.
+this run; TBps = those bytes / us (the effective weight bandwidth); ratio = us / floor_us;
+vs_kimi = us / kimi_experts' us at the same B. Writes JSON, prints a table.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def time_torch(torch, ref, layer, shape, batches, calls, hbm, keep_weights):
         distinct = int(torch.unique(ids).numel())
         us = statistics.median(times)
         floor_us = distinct * per_expert / (hbm * 1e12) * 1e6
-        rows.append(dict(peer=name, B=B, distinct_experts=distinct, us=us, floor_us=floor_us, ratio=us / floor_us))
+        rows.append(dict(peer=name, B=B, distinct_experts=distinct, us=us, TBps=distinct * per_expert / us / 1e6,
+                         floor_us=floor_us, ratio=us / floor_us))
         print(f"  {name} B={B}: {us:.1f} us, floor {floor_us:.2f} us, ratio {us / floor_us:.1f}", flush=True)
     return rows
 
@@ -113,7 +114,7 @@ def main():
     print("kimi_experts:", flush=True)
     ours = bench_shape(torch, kx, args.shape, shape, batches, layers=8, replays=60, hbm=hbm)
     rows = [dict(peer="kimi_experts", B=r["B"], distinct_experts=r["distinct_experts"], us=r["us"],
-                 floor_us=r["floor_us"], ratio=r["ratio"]) for r in ours]
+                 TBps=r["TBps"], floor_us=r["floor_us"], ratio=r["ratio"]) for r in ours]
     print("torch (the reference, float32, on the GPU):", flush=True)
     layer = random_mxfp4_layer(torch, shape["E"], shape["H"], shape["I"], seed=1000)
     for keep_weights in (False, True):

@@ -79,7 +79,7 @@ def pick_device(requested: str):
 def numpy_check(w13, s13, w2, s2, x_bits, ids, out_bits, rows, s):
     """SPEC 3 for a few (token, slot) rows in NumPy float64, with the library's own
     format helpers (themselves checked bit for bit in tests/test_formats.py)."""
-    H, I, K = s["H"], s["I"], s["top_k"]
+    I, K = s["I"], s["top_k"]
 
     def cap(v, c):
         return v if np.isinf(c) else c * np.tanh(v / c)
@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     H, I, E, K, B = s["H"], s["I"], s["E"], s["top_k"], args.batch
     if B < 1:
         p.error("--batch must be >= 1")
+    if args.iters < 0:
+        p.error("--iters must be >= 0 (0: the default)")
 
     device, torch, why = pick_device(args.device)
     info = kx.backend_info()

@@ -125,8 +125,9 @@ class PersistentExperts(_C.Experts):
             Routing weights: required iff prepared with ``combine=True``.
         stream : int or stream object, optional
             CUDA only: where the work runs (default: PyTorch's current stream for torch
-            tensors, else 0). run() launches once, allocates nothing and never
-            synchronizes (unless ``validate``), so it can be captured in a CUDA graph.
+            tensors, else 0). run() launches once per 64 tokens (1024 // top_k at top_k > 16),
+            allocates nothing and never synchronizes (unless ``validate``), so it can be
+            captured in a CUDA graph.
         validate : bool, default False
             Wait for the result and raise BadRoutingError at once, as check() does.
 
@@ -159,7 +160,7 @@ class PersistentExperts(_C.Experts):
         scratch (on CUDA: on the device, so check() waits for ``stream``, by default
         the stream of the last run()). The record is cleared.
         """
-        return super().check(stream=stream)
+        return super().check(stream=None if stream is None else resolve_stream(stream))
 
 
 def scratch(*layers: PersistentExperts) -> Scratch:

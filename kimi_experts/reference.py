@@ -166,7 +166,7 @@ def float_to_e2m1(v) -> torch.Tensor:
 # --------------------------------------------------------------------------- scales
 def _ceil_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
     """Smallest integer e with amax <= top * 2^e (amax > 0, finite, float64). Exact."""
-    # frexp: amax = m * 2^p, m in [0.5, 1); top * 2^e >= amax  <=>  e >= log2(amax/top)
+    # top * 2^e >= amax  <=>  e >= log2(amax / top): a float log2 guess, corrected by one either way
     guess = torch.ceil(torch.log2(amax / top)).long()
     lo = top * _pow2(guess - 1)
     guess = torch.where(lo >= amax, guess - 1, guess)

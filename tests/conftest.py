@@ -27,12 +27,6 @@ except Exception as exc:  # the extension not built: CPU tests fail loudly in `k
     _KX_ERROR = f"{type(exc).__name__}: {exc}"
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "gpu: needs kimi_experts built with CUDA and an sm_90 GPU "
-        "(skipped unless kimi_experts.cuda_available())")
-
-
 def _cuda_skip_reason():
     if _kx is None:
         return f"kimi_experts not importable ({_KX_ERROR})"
@@ -76,13 +70,13 @@ _WEIGHTS_CACHE: dict = {}
 
 @pytest.fixture(scope="session")
 def weights_for():
-    """weights_for(shape, seed=0, kind="auto") -> (w13, s13, w2, s2) on the CPU, built
-    once per session (the model shapes are ~0.4-0.8 GB each)."""
+    """weights_for(shape, seed=0) -> (w13, s13, w2, s2) on the CPU, built once per session
+    (the model shapes are ~0.4-0.8 GB each)."""
 
-    def get(shape: dict, seed: int = 0, kind: str = "auto"):
-        key = (shape["name"], shape["E"], shape["H"], shape["I"], seed, kind)
+    def get(shape: dict, seed: int = 0):
+        key = (shape["name"], shape["E"], shape["H"], shape["I"], seed)
         if key not in _WEIGHTS_CACHE:
-            _WEIGHTS_CACHE[key] = make_weights(shape, seed, kind)
+            _WEIGHTS_CACHE[key] = make_weights(shape, seed)
         return _WEIGHTS_CACHE[key]
 
     return get

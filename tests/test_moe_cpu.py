@@ -128,7 +128,7 @@ def test_top_k_sweep(kx, top_k):
 def test_situ_caps_and_hidden_scale(kx, beta, linear_beta, hidden_scale):
     shape = dict(name="h192-i96-e4-k6", H=192, I=96, E=4, top_k=6, hidden_scale=hidden_scale)
     seed = seed_of("caps", beta, linear_beta, hidden_scale)
-    # larger weights so |a| reaches the caps (a ~ N(0, 4^2))
+    # weights 8x larger (scales + 3): |a| ~ 1.7 rms, up to ~8, past the caps of 0.5-4 (25 only bends it)
     w = make_weights(shape, seed, kind="random")
     w = (w[0], w[1] + 3, w[2], w[3] + 3)
     layer = Layer(kx, shape, w, beta=beta, linear_beta=linear_beta)

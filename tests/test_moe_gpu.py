@@ -598,6 +598,8 @@ def test_scratch_too_small_is_rejected(kx, gpu_layers):
     out = big.new_out(4, False, DEV, FINITE_SENTINEL)
     with pytest.raises(ValueError, match="scratch"):
         big.moe.prepare(4, kx.scratch(small.moe), out)
+    sync_or_die("refused prepare")
+    assert count_bits(out, FINITE_SENTINEL) == out.numel(), "a refused prepare wrote its output"
     big.moe.prepare(4, kx.scratch(small.moe, big.moe), out)
 
 
@@ -678,4 +680,6 @@ def test_packed_bytes_and_attributes(kx, gpu_layers):
     moe = layer.moe
     assert moe.device.startswith("cuda"), moe.device
     assert (moe.experts, moe.hidden, moe.inter, moe.top_k) == (384, 3584, 384, 16)
-    assert isinstance(moe.packed_bytes, int) and moe.packed_bytes >= 0
+    E, H, I = 384, 3584, 384  # the kernel layout has no padding: FP4 and scale bytes of w13 and w2
+    assert moe.packed_bytes == E * (2 * I * H // 2 + 2 * I * H // 32 + H * I // 2 + H * I // 32), (
+        f"packed_bytes {moe.packed_bytes}: the benchmarks' floors take an expert's bytes from it")
