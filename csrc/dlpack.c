@@ -147,7 +147,9 @@ static void dims_str(int ndim, const int64_t *dims, int any_sizes, char *buf, si
   if (used < n) snprintf(buf + used, n - used, "]");
 }
 
-void kx_shape_str(int ndim, const int64_t *dims, char *buf, size_t n) { dims_str(ndim, dims, 0, buf, n); }
+void kx_shape_str(int ndim, const int64_t *dims, char *buf, size_t n) {
+  dims_str(ndim, dims, 0, buf, n);
+}
 
 static kx_device device_of(DLDevice d) {
   kx_device out = {KX_DEVICE_OTHER, d.device_id};

@@ -10,7 +10,6 @@
  */
 #include "kx.h" /* Python.h first */
 
-
 #include "cpu/cpu_backend.h"
 #include "gpu.h"
 

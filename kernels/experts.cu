@@ -28,10 +28,12 @@
  *      one-token launches also run their routing and x's quantization once on dummy
  *      data there, which warms the code of their start (warm_then_run);
  *   1. every CTA routes all pairs itself (route.cuh, on its 8 non-MMA warps, or on one
- *      warp when a launch has at most 32 pairs and 8 tokens) -> units of <= 8 tokens; meanwhile the MMA
- *      warps quantize their share of x to MXFP8 in scratch and a grid-wide counter says
- *      done (the activation producers wait for it before their first activation copy);
- *   2. the epilogue warps write NaN into the rows of bad ids, which no tile writes (write_nan_rows);
+ *      warp when a launch has at most 32 pairs and 8 tokens) -> units of <= 8 tokens;
+ *      meanwhile the MMA warps quantize their share of x to MXFP8 in scratch and a grid-wide
+ *      counter says done (the activation producers wait for it before their first
+ *      activation copy);
+ *   2. the epilogue warps write NaN into the rows of bad ids, which no tile writes
+ *      (write_nan_rows);
  *   3. FC1 tile = 2 x (16 gate + 16 up rows) of one unit over all of H; the 16 warps split K,
  *      an epilogue warp reduces in a fixed order (deterministic), applies SiTU, stores h
  *      (fp32). The CTA that finishes a unit's last FC1 tile quantizes its h to MXFP8

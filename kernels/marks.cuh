@@ -9,8 +9,8 @@
  * epilogue warp stamp the routing's, the copies' and the epilogues' slots.
  * Nothing is stamped inside the MMA warps' chunk loops, whose schedule the stamps would change,
  * but for two clock reads around each full wait (KX_TIMED_WAIT, summed per tile); the copy
- * warps stamp a tile's first chunks only. Each
- * launch overwrites the words it reaches, so a reader clears them before the launch it reads.
+ * warps stamp a tile's first chunks only. Each launch overwrites the words it reaches, so a
+ * reader clears them before the launch it reads.
  * The enums are host code too (the harness names the slots with them). */
 #pragma once
 

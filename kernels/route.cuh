@@ -31,9 +31,11 @@
 
 namespace kx {
 
-constexpr int kRouteWarps = 8; /* the experts kernel's warps that are not MMA warps (checked in experts_layout.cuh) */
+/* the experts kernel's warps that are not MMA warps (checked in experts_layout.cuh) */
+constexpr int kRouteWarps = 8;
 constexpr int kRouteThreads = kRouteWarps * 32;
-constexpr int kRouteBarrier = 2; /* named barrier id (0: __syncthreads, 1: the MMA warps', experts_layout.cuh) */
+/* named barrier id (0: __syncthreads, 1: the MMA warps', experts_layout.cuh) */
+constexpr int kRouteBarrier = 2;
 constexpr int kMaxPairs = 1024;
 constexpr int kMaxLaunchTokens = 64; /* token masks are 64-bit */
 constexpr int kGroupTokens = 8;      /* tokens per unit: one MMA n-tile */

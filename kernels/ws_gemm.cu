@@ -35,9 +35,10 @@
  *     run the MMAs. One copy per R x 128 bytes of weights (8-32 KB) keeps the producer's work small.
  *   - Weight-stationary + programmatic dependent launch. The kernel triggers its dependents at once
  *     (griddepcontrol.launch_dependents), and the producer fills EVERY ring stage with weights
- *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 104 KB (M = 64, beside the push's
- *     area) of a 344-573 KB slice is requested while the predecessor still runs. Only x (which the predecessor may
- *     write) and the outputs wait. The rest of the slice streams through the ring afterwards.
+ *     BEFORE griddepcontrol.wait: at R = 64, 176 KB (M <= 16) to 104 KB (M = 64, beside the
+ *     push's area) of a 344-573 KB slice is requested while the predecessor still runs. Only x
+ *     (which the predecessor may write) and the outputs wait. The rest of the slice streams
+ *     through the ring afterwards.
  *   - MMA. wgmma m64nNk16 bf16 with both operands read by the tensor core from the TMA's
  *     128B-swizzled tiles as they land (K-major, the layout wgmma's descriptors name directly):
  *     64 weight rows on its M side, all 8G token rows of the launch on its N side (N = 16, 32 or
