@@ -345,12 +345,25 @@ __host__ __device__ __forceinline__ uint32_t partial_addr(uint32_t slice, int32_
 
 /* Where accumulator i of consumer lane (g, q) = (lane / 4, lane % 4) of `warp`, warpgroup wg,
  * block b lies in the tile: its token (the wgmma's column) and its row of W (the wgmma m64nNk16
- * fragment layout). */
-__device__ __forceinline__ int fragment_token(int i, int q) {
-  return 8 * (i >> 2) + 2 * q + (i & 1);
+ * fragment layout), each as the lane's first value's plus a step that depends on (i, b) alone. */
+__device__ __forceinline__ int token_step(int i) { return 8 * (i >> 2) + (i & 1); }
+__device__ __forceinline__ int row_step(int i, int b) {
+  return b * kConsumerWarpgroups * kBlockRows + 8 * ((i >> 1) & 1);
 }
+__device__ __forceinline__ int fragment_token(int i, int q) { return 2 * q + token_step(i); }
 __device__ __forceinline__ int fragment_row(int i, int b, int wg, int warp, int g) {
-  return (wg + b * kConsumerWarpgroups) * kBlockRows + 16 * (warp % 4) + g + 8 * ((i >> 1) & 1);
+  return wg * kBlockRows + 16 * (warp % 4) + g + row_step(i, b);
+}
+
+/* Byte offset of 16-byte piece j of a lane's pushed accumulators (kPieces pieces a thread, a power
+ * of two). The pieces of lane l go to j ^ f(l), so that for every j the 8 lanes of a quarter warp
+ * cover all 32 banks: unswizzled, the 128-byte fragments of M = 64 put every lane of a warp on the
+ * same 4 banks, and rank 0's reads of them took ~900 cycles at the stream's end (session 84). */
+template <int kPieces>
+__device__ __forceinline__ uint32_t pushed_piece(int j, int lane) {
+  constexpr int kSpan = kPieces < 8 ? kPieces : 8;
+  constexpr int kLanesPerStep = kPieces < 8 ? 8 / kPieces : 1;
+  return (uint32_t)((j ^ ((lane / kLanesPerStep) & (kSpan - 1))) * 16);
 }
 
 /* One output value: column `col` of token `tok` of this launch. */
@@ -363,6 +376,33 @@ __device__ __forceinline__ void store_column(const Params &p, int tok, int col, 
   if (col < p.valid) p.logits[(int64_t)tok * p.logits_row_stride + col] = f32_no_negzero(v);
   if (col >= p.split)
     p.latent[(int64_t)tok * p.latent_row_stride + (col - p.split)] = bf16_bits_no_negzero(v);
+}
+
+/* Rank 0 of a pushed reduction writes the tile's sums from its registers. A plain tile inside y
+ * (all but a ragged last one) takes one address a lane and a constant offset a value: store_column's
+ * per-value checks made each store ~100 cycles on the one warp a scheduler holds (session 84). */
+template <int kN, int kBlocks>
+__device__ __forceinline__ void store_tile(const Params &p, const float (&acc)[kBlocks][kN / 2],
+                                           int n0, int wg, int warp, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+  if (!p.split_epilogue && n0 + p.tile_n <= p.n) {
+    uint16_t *const y = p.y + (int64_t)fragment_token(0, q) * p.y_row_stride + n0 +
+                        fragment_row(0, 0, wg, warp, g);
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i)
+        if (fragment_token(i, q) < p.m)
+          y[token_step(i) * p.y_row_stride + row_step(i, b)] = bf16_bits_no_negzero(acc[b][i]);
+    return;
+  }
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) {
+      const int tok = fragment_token(i, q);
+      if (tok < p.m) store_column(p, tok, n0 + fragment_row(i, b, wg, warp, g), acc[b][i]);
+    }
 }
 
 /* kGroups: 8-token groups per launch (M <= 16, 32, 64); kBlocks: 64-row blocks per consumer
@@ -483,8 +523,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     /* ---- pushed reduction: ranks 1..C-1 send their accumulators to rank 0 and leave ----- */
-    /* Thread t's fragment goes to floats [(t kBlocks + b) kN / 2, + kN / 2) of the sender's
-     * block, so rank 0's thread t finds its own fragment's partners at the same place. */
+    /* Thread t's fragment goes to floats [t kBlocks kN / 2, + kBlocks kN / 2) of the sender's
+     * block, its 16-byte pieces in pushed_piece's order, so rank 0's thread t finds its own
+     * fragment's partners at the same place. */
     const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
     if (kPush && rank > 0) {
       cluster_wait(); /* rank 0's barrier is initialized and armed */
@@ -495,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
           for (int i = 0; i < kN / 2; i += 4)
-            st_async_f4(dst + (uint32_t)(b * (kN / 2) + i) * 4, &acc[b][i], bar);
+            st_async_f4(dst + pushed_piece<kBlocks * kN / 8>((b * (kN / 2) + i) / 4, lane), &acc[b][i], bar);
       }
       return;
     }
@@ -511,7 +552,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
             for (int i = 0; i < kN / 2; i += 4) {
-              const float4 v = lds_f4(from + (uint32_t)(b * (kN / 2) + i) * 4);
+              const float4 v = lds_f4(from + pushed_piece<kBlocks * kN / 8>((b * (kN / 2) + i) / 4, lane));
               acc[b][i] += v.x;
               acc[b][i + 1] += v.y;
               acc[b][i + 2] += v.z;
@@ -519,13 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
         wait_for_predecessor(); /* outputs: the predecessor may still read what we overwrite */
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-          for (int i = 0; i < kN / 2; ++i) {
-            const int tok = fragment_token(i, q);
-            if (tok < p.m) store_column(p, tok, n0 + fragment_row(i, b, wg, warp, g), acc[b][i]);
-          }
+        store_tile<kN, kBlocks>(p, acc, n0, wg, warp, lane);
       }
     } else {
       /* ---- the CTA's partial sums, over the drained ring ----------------------------------- */
