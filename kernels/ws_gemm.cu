@@ -361,9 +361,17 @@ __device__ __forceinline__ int fragment_row(int i, int b, int wg, int warp, int 
  * same 4 banks, and rank 0's reads of them took ~900 cycles at the stream's end (session 84). */
 template <int kPieces>
 __device__ __forceinline__ uint32_t pushed_piece(int j, int lane) {
+  static_assert(kPieces > 0 && (kPieces & (kPieces - 1)) == 0, "the XOR swizzle needs a power of two");
   constexpr int kSpan = kPieces < 8 ? kPieces : 8;
   constexpr int kLanesPerStep = kPieces < 8 ? 8 / kPieces : 1;
   return (uint32_t)((j ^ ((lane / kLanesPerStep) & (kSpan - 1))) * 16);
+}
+
+/* Where accumulators acc[b][i .. i + 3] (i % 4 == 0) of a lane's pushed fragment lie: the sender's
+ * st.async and rank 0's reads both take it from here, so the two layouts cannot drift apart. */
+template <int kN, int kBlocks>
+__device__ __forceinline__ uint32_t pushed_offset(int b, int i, int lane) {
+  return pushed_piece<kBlocks * kN / 8>((b * (kN / 2) + i) / 4, lane);
 }
 
 /* One output value: column `col` of token `tok` of this launch. */
@@ -524,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     /* ---- pushed reduction: ranks 1..C-1 send their accumulators to rank 0 and leave ----- */
     /* Thread t's fragment goes to floats [t kBlocks kN / 2, + kBlocks kN / 2) of the sender's
-     * block, its 16-byte pieces in pushed_piece's order, so rank 0's thread t finds its own
+     * block, its 16-byte pieces in pushed_offset's order, so rank 0's thread t finds its own
      * fragment's partners at the same place. */
     const uint32_t fragment = recv + (uint32_t)threadIdx.x * kBlocks * (kN / 2) * 4;
     if (kPush && rank > 0) {
@@ -536,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
           for (int i = 0; i < kN / 2; i += 4)
-            st_async_f4(dst + pushed_piece<kBlocks * kN / 8>((b * (kN / 2) + i) / 4, lane), &acc[b][i], bar);
+            st_async_f4(dst + pushed_offset<kN, kBlocks>(b, i, lane), &acc[b][i], bar);
       }
       return;
     }
@@ -552,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
             for (int i = 0; i < kN / 2; i += 4) {
-              const float4 v = lds_f4(from + pushed_piece<kBlocks * kN / 8>((b * (kN / 2) + i) / 4, lane));
+              const float4 v = lds_f4(from + pushed_offset<kN, kBlocks>(b, i, lane));
               acc[b][i] += v.x;
               acc[b][i + 1] += v.y;
               acc[b][i + 2] += v.z;
