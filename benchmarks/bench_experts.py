@@ -4,7 +4,7 @@
                                        [--routing uniform] [--out benchmarks/results/experts-h200.json]
 
 Shapes: k3-tp8 (H=3584, I=384, E=384, top-16, hidden scales floor) and the TP16 shard
-(I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large). Study: --shapes
+(I=192, rceil); B = 1, 2, 4, 8, 16, 32, 64 (and 128, 256 with --large, a study). Study: --shapes
 names other models' layers too (OTHER_SHAPES: their H, I, E and top_k, with SiTU standing in
 for each model's own activation; --out experts-models-h200.json).
 - us: one layer call (PersistentExperts.run, per-slot rows; with --combine the fused combine
@@ -159,6 +159,7 @@ def main():
     if unknown:
         ap.error(f"--shapes: unknown {', '.join(unknown)}")
     refuse_study_over_record(ap, "--shapes", any(n in OTHER_SHAPES for n in names), args.out, record)
+    refuse_study_over_record(ap, "--large", args.large, args.out, record)
     batches = BATCHES + ([128, 256] if args.large else [])
     if args.batches:
         refuse_study_over_record(ap, "--batches", True, args.out, record)

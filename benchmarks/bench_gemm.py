@@ -212,6 +212,7 @@ def main():
     if args.warmup_ms < 0:
         parser.error("--warmup-ms: at least 0")
     refuse_study_over_record(parser, "--warmup-ms", args.warmup_ms > 0, args.out, record)
+    refuse_study_over_record(parser, "--no-chain", args.no_chain, args.out, record)
 
     import torch
     import kimi_experts as kx

@@ -33,8 +33,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (graph_replay_time_us, measure_hbm_read_bandwidth, print_table,  # noqa: E402
-                    random_mxfp4_layer, routed_ids, write_json)
+from common import (graph_replay_time_us, measure_hbm_read_bandwidth, parse_batches,  # noqa: E402
+                    print_table, random_mxfp4_layer, routed_ids, write_json)
 
 SHAPE = dict(H=3584, I=3072, E=384, top_k=16, hidden_scale="floor")  # the full expert width
 TP_SIZES = [1, 2, 4, 8]
@@ -53,10 +53,11 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=8,
                     help="distinct layers per graph, rotated so L2 cannot serve the weights")
     ap.add_argument("--tp", type=_int_list, default=TP_SIZES, help="TP sizes, e.g. 1,2,4,8")
-    ap.add_argument("--batches", type=_int_list, default=BATCHES, help="e.g. 1,2,4,8,16,32,64")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="e.g. 1,2,4,8,16,32,64")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "tp-h200.json"))
     args = ap.parse_args(argv)
+    args.batches = parse_batches(ap, args.batches)
     if args.replays < 50:
         ap.error("--replays: use at least 50 (the median of many replays is the figure)")
     if args.layers < 1:

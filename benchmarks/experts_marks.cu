@@ -137,11 +137,12 @@ int main(int argc, char **argv) {
   const size_t x_bytes = xh.size() * 2, ids_bytes = ids.size() * 4, near_at = (scratch_bytes + 255) / 256 * 256;
   const size_t ids_near = near_at + (x_bytes + 255) / 256 * 256;
   Dev scratch(near_inputs ? ids_near + ids_bytes : scratch_bytes), dx(x_bytes), dids(ids_bytes),
-      dweights(route_weights.size() * 4), dout((size_t)batch * K * H * 2);
+      dweights(route_weights.size() * 4), dout((size_t)batch * K * H * 2), fault(8);
   uint16_t *x_at = near_inputs ? (uint16_t *)(scratch.as<uint8_t>() + near_at) : dx.as<uint16_t>();
   int32_t *ids_at = near_inputs ? (int32_t *)(scratch.as<uint8_t>() + ids_near) : dids.as<int32_t>();
   /* everything on `stream`: a non-blocking stream does not wait for the legacy default one */
   CHECK(cudaMemsetAsync(scratch.p, 0, scratch_bytes, stream));
+  CHECK(cudaMemsetAsync(fault.p, 0, 8, stream));
   CHECK(cudaMemcpyAsync(x_at, xh.data(), x_bytes, cudaMemcpyHostToDevice, stream));
   CHECK(cudaMemcpyAsync(ids_at, ids.data(), ids_bytes, cudaMemcpyHostToDevice, stream));
   CHECK(cudaMemcpyAsync(dweights.p, route_weights.data(), route_weights.size() * 4, cudaMemcpyHostToDevice, stream));
@@ -154,6 +155,7 @@ int main(int argc, char **argv) {
     a.config = cfg;
     a.packed = packed[l]->p;
     a.scratch = scratch.p;
+    a.fault = fault.as<unsigned long long>();
     a.x = x_at;
     a.x_row_stride = H;
     a.ids = ids_at;

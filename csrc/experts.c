@@ -8,7 +8,8 @@
  *                                   not needed afterwards.
  *   Scratch(*layers)                workspace for every layer that shares it on one
  *                                   stream. CUDA: kx_moe_scratch_bytes of device memory,
- *                                   zeroed once. CPU: the fault record.
+ *                                   zeroed once. CPU: nothing (the backend allocates per
+ *                                   call).
  *   prepare(batch, scratch, out)    every check and choice for one batch size; keeps out.
  *   run(x, ids[, weights])          checks x/ids/weights against the prepared state,
  *                                   then one kx_moe_run on the stream (CUDA: no
@@ -39,7 +40,6 @@ typedef struct kx_scratch {
   kx_device device;
   size_t nbytes;      /* device bytes (0 on the CPU) */
   void *dev_ptr;      /* CUDA: zeroed workspace, or NULL when nbytes == 0 */
-  kx_cpu_fault fault; /* CPU: first bad id since the last check() */
 } kx_scratch;
 
 typedef struct kx_experts {
@@ -47,7 +47,8 @@ typedef struct kx_experts {
   kx_moe_desc desc;
   kx_device device;
   kx_tensor w[N_WEIGHTS]; /* CPU: the caller's weights (owners held); empty on CUDA */
-  kx_gpu_moe *gpu;        /* CUDA: packed weights + launch config */
+  kx_gpu_moe *gpu;        /* CUDA: packed weights + launch config + the fault record */
+  kx_cpu_fault fault;     /* CPU: this layer's first bad id since the last check() */
   /* prepared state (prepare) */
   int prepared;
   int combine;
@@ -225,12 +226,13 @@ static int check_weights(kx_tensor *w, kx_moe_desc *desc) {
 static int parse_cap(PyObject *obj, const char *arg, double dflt, float *out) {
   double v = dflt;
   if (obj != NULL && kx_arg_double(obj, arg, &v) < 0) return -1;
-  if (!(v > 0.0)) {
-    PyErr_Format(PyExc_ValueError, "%s: expected a positive float or float('inf'), got %R", arg,
-                 obj);
+  *out = (float)v; /* inf stays inf: the cap is then the identity (SPEC 3) */
+  if (!(*out > 0.0f)) { /* also a positive double that float32 rounds to 0 (cap(0, 0) is NaN) */
+    PyErr_Format(PyExc_ValueError,
+                 "%s: expected a positive float or float('inf') (at least float32's smallest, "
+                 "1.4e-45), got %R", arg, obj);
     return -1;
   }
-  *out = (float)v; /* inf stays inf: the cap is then the identity (SPEC 3) */
   return 0;
 }
 
@@ -415,16 +417,15 @@ static int raise_bad_routing(kx_state *st, const kx_experts *self, const kx_cpu_
   return -1;
 }
 
-/* Reads and clears the first bad id; raises BadRoutingError when there was one. */
+/* Reads and clears this layer's first bad id; raises BadRoutingError when there was one. */
 static int check_fault(kx_state *st, kx_experts *self, uintptr_t stream) {
-  if (!self->prepared) return 0; /* nothing ran since prepare */
-  kx_scratch *scratch = (kx_scratch *)self->scratch;
+  if (!self->prepared) return 0; /* it never ran */
   kx_cpu_fault fault = {0};
   if (self->gpu != NULL) {
-    if (kx_gpu_moe_read_fault(st, self->gpu, scratch->dev_ptr, &fault, stream) < 0) return -1;
+    if (kx_gpu_moe_read_fault(st, self->gpu, &fault, stream) < 0) return -1;
   } else {
-    fault = scratch->fault;
-    memset(&scratch->fault, 0, sizeof scratch->fault);
+    fault = self->fault;
+    memset(&self->fault, 0, sizeof self->fault);
   }
   return fault.bad ? raise_bad_routing(st, self, &fault) : 0;
 }
@@ -520,7 +521,7 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
     Py_BEGIN_ALLOW_THREADS
     rc = kx_cpu_moe_run(&layer, &call, &fault);
     Py_END_ALLOW_THREADS
-    if (fault.bad && !scratch->fault.bad) scratch->fault = fault;
+    if (fault.bad && !self->fault.bad) self->fault = fault;
     Py_DECREF(keep_out);
     Py_DECREF(keep_scratch);
     if (rc != 0) {

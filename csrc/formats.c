@@ -38,6 +38,13 @@ static int as_rows(const kx_tensor *t, const char *arg, int64_t *rows, int64_t *
   }
   const int last = t->ndim - 1;
   const int64_t cols = t->shape[last];
+  for (int d = 0; d < t->ndim; d++) {
+    if (t->shape[d] == 0) { /* nothing to read: any strides (NumPy gives empty arrays 0) */
+      *rows = 0;
+      *row_stride = cols;
+      return 0;
+    }
+  }
   int64_t n = 1, stride = cols, expect = 0;
   int found = 0; /* a flag, not a sentinel stride: a reversed view has a negative one */
   int ok = cols <= 1 || t->strides[last] == 1;

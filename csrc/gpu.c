@@ -56,9 +56,9 @@ int kx_gpu_moe_run(kx_state *st, const kx_gpu_moe *moe, void *scratch,
   (void)moe, (void)scratch, (void)call, (void)stream;
   return refuse(st);
 }
-int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, void *scratch,
-                          kx_cpu_fault *fault, uintptr_t stream) {
-  (void)moe, (void)scratch, (void)stream;
+int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, kx_cpu_fault *fault,
+                          uintptr_t stream) {
+  (void)moe, (void)stream;
   memset(fault, 0, sizeof *fault);
   return refuse(st);
 }
@@ -266,6 +266,7 @@ struct kx_gpu_moe {
   kx_moe_config config;
   void *packed;
   size_t packed_bytes;
+  unsigned long long *fault; /* this layer's record of its first bad id (SPEC 7), zeroed */
   size_t scratch_bytes;
   int device;
   float beta, linear_beta;
@@ -278,6 +279,12 @@ kx_gpu_moe *kx_gpu_moe_create(kx_state *st, const kx_moe_desc *desc, const uint8
   kx_gpu_moe *moe = PyMem_Calloc(1, sizeof *moe);
   if (moe == NULL) {
     PyErr_NoMemory();
+    return NULL;
+  }
+  if (desc->hidden > KX_MOE_MAX_DIM || desc->inter > KX_MOE_MAX_DIM) {
+    PyErr_Format(PyExc_ValueError, "w13: the CUDA kernel takes H and I up to %d, got H = %d, I = %d",
+                 KX_MOE_MAX_DIM, (int)desc->hidden, (int)desc->inter);
+    PyMem_Free(moe);
     return NULL;
   }
   moe->shape = (kx_moe_shape){desc->experts, desc->hidden, desc->inter, desc->top_k};
@@ -320,12 +327,17 @@ kx_gpu_moe *kx_gpu_moe_create(kx_state *st, const kx_moe_desc *desc, const uint8
     return NULL;
   }
   guard_leave(&g);
+  if (kx_gpu_alloc_zeroed(st, device, sizeof *moe->fault, (void **)&moe->fault) < 0) {
+    kx_gpu_moe_destroy(moe);
+    return NULL;
+  }
   return moe;
 }
 
 void kx_gpu_moe_destroy(kx_gpu_moe *moe) {
   if (moe == NULL) return;
   kx_gpu_free(moe->device, moe->packed);
+  kx_gpu_free(moe->device, moe->fault);
   PyMem_Free(moe);
 }
 
@@ -351,6 +363,7 @@ int kx_gpu_moe_run(kx_state *st, const kx_gpu_moe *moe, void *scratch,
       .beta = moe->beta,
       .linear_beta = moe->linear_beta,
       .hidden_floor = moe->hidden_floor,
+      .fault = moe->fault,
   };
   dev_guard g;
   if (guard_enter(st, moe->device, &g) < 0) return -1;
@@ -360,13 +373,16 @@ int kx_gpu_moe_run(kx_state *st, const kx_gpu_moe *moe, void *scratch,
   return 0;
 }
 
-int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, void *scratch,
-                          kx_cpu_fault *fault, uintptr_t stream) {
+int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, kx_cpu_fault *fault,
+                          uintptr_t stream) {
   memset(fault, 0, sizeof *fault);
   kx_moe_fault f = {0, 0, 0, 0};
   dev_guard g;
   if (guard_enter(st, moe->device, &g) < 0) return -1;
-  cudaError_t err = kx_moe_read_fault(scratch, &moe->config, &moe->shape, &f, as_stream(stream));
+  cudaError_t err;
+  Py_BEGIN_ALLOW_THREADS /* it waits for the stream */
+  err = kx_moe_read_fault(moe->fault, &moe->shape, &f, as_stream(stream));
+  Py_END_ALLOW_THREADS
   guard_leave(&g);
   if (err != cudaSuccess) return raise_cuda(st, err, "kx_moe_read_fault");
   fault->bad = f.bad;

@@ -58,9 +58,10 @@ size_t kx_gpu_moe_scratch_bytes(const kx_gpu_moe *moe);
 /* One kx_moe_run on `stream`: no allocation, no synchronization. */
 int kx_gpu_moe_run(kx_state *st, const kx_gpu_moe *moe, void *scratch,
                    const kx_cpu_moe_call *call, uintptr_t stream);
-/* Synchronizes `stream`, reads and clears the first bad id recorded in `scratch`. */
-int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, void *scratch,
-                          kx_cpu_fault *fault, uintptr_t stream);
+/* Synchronizes `stream`, reads and clears the first bad id this layer's runs met (its own
+ * record: layers sharing a scratch do not see each other's). */
+int kx_gpu_moe_read_fault(kx_state *st, const kx_gpu_moe *moe, kx_cpu_fault *fault,
+                          uintptr_t stream);
 
 /* ---- skinny GEMM ---- */
 typedef struct kx_gpu_gemm kx_gpu_gemm;

@@ -72,7 +72,7 @@ namespace {
 __device__ __forceinline__ void report_bad_id(const Params &p, int pair, int id) {
   if (blockIdx.x != 0) return;
   const unsigned long long key = ((unsigned long long)(p.tok0 * p.shape.top_k + pair) << 32) | (uint32_t)id;
-  atomicMax(&p.sync->fault, ~key);
+  atomicMax(p.fault, ~key);
 }
 
 /* The routing group's tables for this launch (route.cuh). */
@@ -278,8 +278,8 @@ int launch_tokens_for(const kx_moe_shape &s) {
 }
 
 bool shape_ok(const kx_moe_shape &s) {
-  return s.hidden > 0 && s.hidden % 64 == 0 && s.inter > 0 && s.inter % 32 == 0 && s.top_k >= 1 &&
-         s.top_k <= 32 && s.experts >= 1 && s.experts <= 4096;
+  return s.hidden > 0 && s.hidden % 64 == 0 && s.hidden <= KX_MOE_MAX_DIM && s.inter > 0 && s.inter % 32 == 0 &&
+         s.inter <= KX_MOE_MAX_DIM && s.top_k >= 1 && s.top_k <= 32 && s.experts >= 1 && s.experts <= 4096;
 }
 
 }  // namespace
@@ -326,8 +326,8 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   const kx_moe_shape &s = a->shape;
   /* a config kx_moe_configure could have made: the grid's call words and the routing's token
    * masks and tables are sized by these bounds */
-  if (!shape_ok(s) || a->config.grid < 1 || a->config.grid > kMaxGrid || a->config.chunk_tokens < 1 ||
-      a->config.chunk_tokens > launch_tokens_for(s))
+  if (!shape_ok(s) || a->fault == nullptr || a->config.grid < 1 || a->config.grid > kMaxGrid ||
+      a->config.chunk_tokens < 1 || a->config.chunk_tokens > launch_tokens_for(s))
     return cudaErrorInvalidValue;
   const ScratchLayout S = scratch_layout(s, a->config.chunk_tokens);
   uint8_t *scratch = (uint8_t *)a->scratch;
@@ -344,6 +344,7 @@ extern "C" cudaError_t kx_moe_run(const kx_moe_args *a, cudaStream_t stream) {
   p.linear_beta = a->linear_beta;
   p.hidden_floor = a->hidden_floor != 0;
   p.sync = (SyncWords *)(scratch + S.sync);
+  p.fault = a->fault;
   p.combine_count = (int *)(scratch + S.combine_count);
   p.xq = scratch + S.xq;
   p.x_mult = (float *)(scratch + S.x_mult);
@@ -398,12 +399,9 @@ extern "C" cudaError_t kx_marks_read(unsigned long long *host, int ctas, unsigne
 }
 #endif
 
-extern "C" cudaError_t kx_moe_read_fault(void *scratch, const kx_moe_config *config, const kx_moe_shape *shape,
-                                         kx_moe_fault *fault, cudaStream_t stream) {
-  using namespace kx;
+extern "C" cudaError_t kx_moe_read_fault(unsigned long long *word, const kx_moe_shape *shape, kx_moe_fault *fault,
+                                         cudaStream_t stream) {
   *fault = kx_moe_fault{};
-  const ScratchLayout S = scratch_layout(*shape, config->chunk_tokens);
-  unsigned long long *word = &((SyncWords *)((uint8_t *)scratch + S.sync))->fault;
   unsigned long long inverted = 0;
   cudaError_t err = cudaMemcpyAsync(&inverted, word, sizeof inverted, cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);

@@ -167,7 +167,6 @@ constexpr int kMaxUnits = max_units_for(kMaxPairs);
  * the same grid, and flags hold the number of the call that set them. Layers of any
  * shape share one scratch, so this sits first, the same for every shape. */
 struct SyncWords {
-  unsigned long long fault;                 /* ~((pair << 32) | id) of the first bad id, 0 = none */
   unsigned int xq_ready;                    /* += 1 per CTA done quantizing x: call n's x is in at n * grid */
   unsigned long long calls[kMaxGrid];       /* calls run by CTA i */
   unsigned long long unit_ready[kMaxUnits]; /* the call that released unit u's hidden rows */
@@ -280,6 +279,7 @@ struct Params {
   float beta, linear_beta;
   bool hidden_floor;
   SyncWords *sync;
+  unsigned long long *fault; /* the layer's: ~((pair << 32) | id) of its first bad id, 0 = none */
   int *combine_count;
   uint8_t *xq; /* f16 values in fragment order (quantize_store) */
   float *x_mult; /* per x row: 2^(R + 14), R its reference exponent (mx.cuh) */

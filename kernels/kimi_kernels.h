@@ -39,11 +39,15 @@ cudaError_t kx_quantize_mxfp8(const kx_quantize_args *args, cudaStream_t stream)
 
 /* ---- routed experts (SPEC 3) ---------------------------------------------------- */
 typedef struct kx_moe_shape {
-  int32_t experts; /* E */
-  int32_t hidden;  /* H, % 64 == 0 */
-  int32_t inter;   /* I, % 32 == 0 */
+  int32_t experts; /* E, 1..4096 */
+  int32_t hidden;  /* H, % 64 == 0, <= KX_MOE_MAX_DIM */
+  int32_t inter;   /* I, % 32 == 0, <= KX_MOE_MAX_DIM */
   int32_t top_k;   /* K_top, 1..32 */
 } kx_moe_shape;
+
+/* The largest H and I the kernel takes: its tile indices are divided by multiplication,
+ * exact while (tiles of a unit)^2 x units < 2^40. */
+#define KX_MOE_MAX_DIM 65536
 
 /* Bytes of the kernel-layout copy of the weights (w13 + s13 + w2 + s2 repacked). */
 size_t kx_moe_packed_bytes(const kx_moe_shape *shape);
@@ -89,20 +93,21 @@ typedef struct kx_moe_args {
   int32_t batch;
   float beta, linear_beta;   /* SiTU caps; INFINITY disables a cap */
   int32_t hidden_floor;      /* hidden MXFP8 scales: 0 rceil, 1 floor */
+  unsigned long long *fault; /* the layer's fault word (8 bytes, zeroed at allocation): SPEC 7's
+                                record of its first bad id, apart from the scratch that layers share */
 } kx_moe_args;
 
 cudaError_t kx_moe_run(const kx_moe_args *args, cudaStream_t stream);
 
-/* The first bad id a run met since the last read (SPEC 7). Synchronizes the stream,
- * then clears the record. */
+/* The first bad id that the runs given this fault word met since its last read (SPEC 7).
+ * Synchronizes the stream, then clears the word. */
 typedef struct kx_moe_fault {
   int32_t bad;   /* 0: none */
   int32_t token, slot, id;
 } kx_moe_fault;
 
-cudaError_t kx_moe_read_fault(void *scratch, const kx_moe_config *config,
-                              const kx_moe_shape *shape, kx_moe_fault *fault,
-                              cudaStream_t stream);
+cudaError_t kx_moe_read_fault(unsigned long long *word, const kx_moe_shape *shape,
+                              kx_moe_fault *fault, cudaStream_t stream);
 
 /* ---- the skinny GEMM (SPEC 4) ----------------------------------------------------
  * y[M, N] = x[M, K] @ W[N, K]^T. Plain: all N columns to y as bf16. Split: columns

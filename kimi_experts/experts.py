@@ -154,11 +154,12 @@ class PersistentExperts(_C.Experts):
                            inputs_on_stream=on_stream)
 
     def check(self, *, stream=None) -> None:
-        """Raise BadRoutingError for the first out-of-range id since the last check.
+        """Raise BadRoutingError for this layer's first out-of-range id since its last check.
 
-        Rows of bad ids come out NaN; the first bad (token, slot) is recorded in the
-        scratch (on CUDA: on the device, so check() waits for ``stream``, by default
-        the stream of the last run()). The record is cleared.
+        Rows of bad ids come out NaN; the first bad (token, slot) is recorded by the layer
+        itself, apart from other layers that share its scratch (on CUDA: on the device,
+        so check() waits for ``stream``, by default the stream of the last run(), which
+        must still exist). The record is cleared.
         """
         return super().check(stream=None if stream is None else resolve_stream(stream))
 
@@ -168,7 +169,7 @@ def scratch(*layers: PersistentExperts) -> Scratch:
 
     Every layer that runs on one stream may share one Scratch: kernels of one layer
     finish with it before the next layer's start. On CUDA it is device memory zeroed
-    once here; on the CPU it holds the bad-id record that check() reads.
+    once here; on the CPU it holds nothing (the CPU backend allocates per call).
 
     Parameters
     ----------

@@ -29,10 +29,13 @@ def _run(script, *args):
     ("bench_experts.py", ["--routing", "zipf-0.8"], "--routing: give --out"),
     ("bench_experts.py", ["--routing", "zipf", "--out", "x.json"],
      "--routing: routing 'zipf': uniform, same or zipf-S"),
+    ("bench_experts.py", ["--large"], "--large: give --out"),
     ("bench_gemm.py", ["--warmup-ms", "1000"], "--warmup-ms: give --out"),
+    ("bench_gemm.py", ["--no-chain"], "--no-chain: give --out"),
     ("bench_gemm.py", ["--warmup-ms", "-1", "--out", "x.json"], "--warmup-ms: at least 0"),
     ("peers.py", ["--calls", "2"], "--calls: at least 3"),
     ("peers.py", ["--batches", "0,8"], "--batches: B values >= 1"),
+    ("bench_tp.py", ["--batches", "0,8", "--out", "x.json"], "--batches: B values >= 1"),
 ])
 def test_study_options_refused(script, args, message):
     done = _run(script, *args)

@@ -76,6 +76,10 @@ def _ctor_cases(w):
         "top_k 0": (ValueError, "top_k", (w13, s13, w2, s2), dict(top_k=0)),
         "top_k 33": (ValueError, "top_k", (w13, s13, w2, s2), dict(top_k=33)),
         "hidden_scale": (ValueError, "hidden_scale", (w13, s13, w2, s2), dict(hidden_scale="nearest")),
+        "beta 0": (ValueError, "beta", (w13, s13, w2, s2), dict(beta=0.0)),
+        "linear_beta nan": (ValueError, "linear_beta", (w13, s13, w2, s2), dict(linear_beta=math.nan)),
+        # positive, but 0 in float32, where the cap would be 0 * tanh(0 / 0) = NaN
+        "beta under float32": (ValueError, "beta", (w13, s13, w2, s2), dict(beta=1e-46)),
     }
 
 
@@ -426,19 +430,21 @@ def test_gemm_prepare_and_run_errors(kx):
     expect((ValueError, TypeError), gemm.prepare, M, logits=L, latent=T)
 
 
-def test_bad_id_record_survives_other_layers_on_shared_scratch(kx, weights):
-    """Layer A meets a bad id, then layer B runs clean on the same scratch: A.check()
-    still raises for A's bad (token, slot) (the record holds since the last check)."""
+def test_bad_id_record_is_per_layer_on_shared_scratch(kx, weights):
+    """Layer A meets a bad id, then layer B (another top_k) runs clean on the same scratch:
+    B.check() stays quiet, A.check() raises for A's own (token, slot), also after A is
+    prepared again on another scratch (each layer keeps its record until its check)."""
     a = Layer(kx, SHAPE, weights)
-    b = Layer(kx, SHAPE, weights, hidden_scale="floor")
+    b = Layer(kx, SHAPE, weights, hidden_scale="floor", top_k=K - 1)
     shared = kx.scratch(a.moe, b.moe)
     x, ids, _ = inputs(seed_of("shared-record"))
     bad_ids = ids.clone()
     bad_ids[2, 1] = E + 3
     a.run(x, bad_ids, scratch=shared, poison=SENTINEL)
-    b.run(x, ids, scratch=shared)
+    b.run(x, ids[:, :K - 1].contiguous(), scratch=shared)
+    b.moe.check()
+    a.run(x, ids, scratch=kx.scratch(a.moe))
     with pytest.raises(kx.BadRoutingError) as info:
         a.moe.check()
     assert_names_first_bad(str(info.value), 2, 1, E + 3)
     a.moe.check()
-    b.moe.check()

@@ -323,6 +323,21 @@ def test_numpy_in_numpy_out(kx, ref):
     assert isinstance(d8, np.ndarray) and d8.dtype == np.float32
 
 
+def test_empty_inputs_any_strides(kx):
+    """No rows: empty outputs of the right shapes, whatever strides the empty input has
+    (NumPy >= 2.4 gives empty arrays strides of 0)."""
+    zero_strided = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(0, 64), strides=(0, 0))
+    for x in (zero_strided, np.zeros((0, 64), np.float32), np.zeros((2, 0, 64), np.float32),
+              torch.zeros((0, 64))):
+        lead = tuple(x.shape[:-1])
+        for mode in MODES:
+            q, s = kx.quantize_mxfp8(x, scale=mode)
+            assert tuple(q.shape) == lead + (64,) and tuple(s.shape) == lead + (2,), f"{x.shape} {mode}"
+        q4, s4 = kx.quantize_mxfp4(x)
+        assert tuple(q4.shape) == lead + (32,) and tuple(s4.shape) == lead + (2,), f"{x.shape} mxfp4"
+        assert tuple(kx.dequantize(q4, s4, "mxfp4").shape) == lead + (64,), f"{x.shape} dequantize"
+
+
 def test_numpy_float16_input(kx, ref):
     x = mixed_blocks((3, 96), seed_of("np16"), torch.float16, -10, 8)
     assert_mxfp8_equal(kx, ref, x.numpy(), "rceil", "numpy float16")

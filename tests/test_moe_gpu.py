@@ -415,24 +415,26 @@ def test_bad_ids(kx, gpu_layers):
     layer.moe.check()
 
 
-def test_bad_id_record_survives_other_layers(kx, gpu_layers):
-    """Layer A meets a bad id, layer B runs clean on the same scratch and stream:
-    A.check() still raises for A's (token, slot)."""
+def test_bad_id_record_is_per_layer(kx, gpu_layers):
+    """Layer A meets a bad id, layer B (top_k 8, where A has 16) runs clean on the same
+    scratch and stream: B.check() stays quiet, and A.check() raises for A's own (token,
+    slot), also after A is prepared again on another scratch."""
     a = gpu_layers["tp16"]
-    b = Layer(kx, TP16, a.weights, hidden_scale="floor", cache=a.cache)
+    b = Layer(kx, TP16, a.weights, hidden_scale="floor", top_k=8, cache=a.cache)
     shared = kx.scratch(a.moe, b.moe)
     B, E = 5, a.shape["E"]
     x, ids, _ = _inputs(a, B, seed_of("gpu-shared-record"))
     bad = ids.clone()
     bad[4, 11] = E + 1
     a.run(x, bad, scratch=shared, poison=FINITE_SENTINEL)
-    b.run(x, ids, scratch=shared)
+    b.run(x, ids[:, :8].contiguous(), scratch=shared)
     sync_or_die("shared record")
+    b.moe.check()
+    a.run(x, ids, scratch=kx.scratch(a.moe))
     with pytest.raises(kx.BadRoutingError) as info:
         a.moe.check()
     assert_names_first_bad(str(info.value), 4, 11, E + 1)
     a.moe.check()
-    b.moe.check()
 
 
 def test_device_mismatch_errors(kx, gpu_layers, scratches):
@@ -455,6 +457,17 @@ def test_device_mismatch_errors(kx, gpu_layers, scratches):
     assert count_bits(out, FINITE_SENTINEL) == out.numel(), "written before the error"
     with pytest.raises(ValueError):
         kx.PersistentExperts(layer.weights[0], layer.weights[1].cpu(), *layer.weights[2:], top_k=K)
+
+
+@pytest.mark.parametrize("H,I", [(65536 + 64, 32), (64, 65536 + 32)])
+def test_cuda_dimension_limit(kx, H, I):
+    """H or I past KX_MOE_MAX_DIM: a ValueError naming the limit, where the kernel's tile
+    indices would no longer divide exactly (the CPU backend takes the same weights)."""
+    w = [torch.zeros(s, dtype=torch.uint8) for s in ((1, 2 * I, H // 2), (1, 2 * I, H // 32),
+                                                     (1, H, I // 2), (1, H, I // 32))]
+    with pytest.raises(ValueError, match="65536"):
+        kx.PersistentExperts(*(t.to(DEV) for t in w), top_k=1)
+    kx.PersistentExperts(*w, top_k=1)
 
 
 # --------------------------------------------------------------------------- graphs, streams, sharing

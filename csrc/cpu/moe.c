@@ -39,6 +39,8 @@ _Static_assert(KX_MX_BLOCK % KX_DOT_LANES == 0, "rows of whole MX blocks must fi
 
 typedef struct moe_work {
   /* The plan: distinct (token, expert) pairs ("tasks") grouped by expert. */
+  int32_t *ids;          /* [B * K] the caller's ids, copied once: planning reads each twice or
+                            more, and a caller writing them meanwhile must not make it inconsistent */
   int64_t *slot_task;    /* [B * K] task of each slot, NO_TASK for a bad id */
   int64_t *task_token;   /* [B * K] token of each task; tokens ascend within an expert */
   int64_t *expert_first; /* [E + 1] expert e owns tasks expert_first[e] .. [e + 1] - 1 */
@@ -75,6 +77,7 @@ static void *arena_take(arena *ar, int64_t count, size_t elem) {
 static void carve_work(arena *ar, const kx_cpu_moe_layer *layer, int64_t batch, int threads,
                        moe_work *w) {
   const int64_t slots = batch * layer->top_k, hidden = layer->hidden, inter = layer->inter;
+  w->ids = arena_take(ar, slots, sizeof(int32_t));
   w->slot_task = arena_take(ar, slots, sizeof(int64_t));
   w->task_token = arena_take(ar, slots, sizeof(int64_t));
   w->expert_first = arena_take(ar, (int64_t)layer->experts + 1, sizeof(int64_t));
@@ -100,15 +103,17 @@ static int32_t first_slot_of(const int32_t *token_ids, int32_t j) {
 
 static int valid_id(int32_t id, int32_t experts) { return id >= 0 && id < experts; }
 
-/* Planning pass 1: counts each expert's tasks into expert_first[e + 1] and reports the
- * first bad id in row-major order. */
+/* Planning pass 1: copies the ids, counts each expert's tasks into expert_first[e + 1] and
+ * reports the first bad id in row-major order. */
 static kx_cpu_fault count_tasks(const kx_cpu_moe_layer *layer, const kx_cpu_moe_call *call,
                                 moe_work *w) {
   const int32_t k = layer->top_k, experts = layer->experts;
   kx_cpu_fault fault = {0, 0, 0, 0};
   memset(w->expert_first, 0, ((size_t)experts + 1) * sizeof(int64_t));
+  for (int64_t t = 0; t < call->batch; ++t)
+    memcpy(w->ids + t * k, call->ids + t * call->ids_row_stride, (size_t)k * sizeof(int32_t));
   for (int64_t t = 0; t < call->batch; ++t) {
-    const int32_t *ids = call->ids + t * call->ids_row_stride;
+    const int32_t *ids = w->ids + t * k;
     for (int32_t j = 0; j < k; ++j) {
       if (!valid_id(ids[j], experts)) {
         if (!fault.bad) fault = (kx_cpu_fault){1, t, j, ids[j]};
@@ -132,7 +137,7 @@ static void place_tasks(const kx_cpu_moe_layer *layer, const kx_cpu_moe_call *ca
     w->cursor[e] = w->expert_first[e];
   }
   for (int64_t t = 0; t < call->batch; ++t) {
-    const int32_t *ids = call->ids + t * call->ids_row_stride;
+    const int32_t *ids = w->ids + t * k;
     int64_t *slot_task = w->slot_task + t * k;
     for (int32_t j = 0; j < k; ++j) {
       if (!valid_id(ids[j], experts)) {
