@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from shapes import gen, seed_of
+from shapes import every_scale_exponent, gen, seed_of
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DT_ID = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -239,6 +239,17 @@ def test_quantize_mxfp8_scale_boundaries(kx, ref):
         assert s[0, 0].item() == want_at, f"k={k}: scale {s[0, 0].item()} want {want_at}"
         assert s[1, 0].item() == k + 1 + 127, f"k={k}: scale {s[1, 0].item()} want {k + 128}"
         assert_mxfp8_equal(kx, ref, x, "floor", f"floor boundary k={k}")
+
+
+def test_quantize_every_scale_exponent(kx, ref):
+    """Both scale rules and MXFP4, bit for bit, at every exponent fp32 has: the random
+    blocks span only 2^[-20, 20) and the boundary test a few exponents."""
+    for dtype in DTYPES:
+        x = every_scale_exponent(dtype, seed_of("every-exponent", DT_ID[dtype]))
+        x = x[torch.isfinite(x.float()).all(1)]  # f16 and bf16 overflow at the top
+        for mode in MODES:
+            assert_mxfp8_equal(kx, ref, x, mode, f"every exponent {DT_ID[dtype]} mode={mode}")
+        assert_mxfp4_equal(kx, ref, x, f"every exponent {DT_ID[dtype]} mxfp4")
 
 
 def test_quantize_mxfp8_nonfinite(kx, ref):

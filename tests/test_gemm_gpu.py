@@ -174,12 +174,14 @@ def test_deterministic(kx, weights):
     N, K, M = 4096, 7168, 37
     W = weights(N, K)
     x = make_gemm_inputs(M, N, K, seed_of("gpu-gemm-det"), DEV)[0]
-    out = torch.empty((M, N), dtype=torch.bfloat16, device=DEV)
+    out = poison_(torch.empty((M, N), dtype=torch.bfloat16, device=DEV))
     g = kx.WsGemm(W)
     g.prepare(M, out)
     g.run(x)
     first = out.clone()
+    assert count_bits(first, 0xFFFF) == 0, f"M={M}: elements not written"
     for i in range(50):
+        poison_(out)
         g.run(x)
         assert torch.equal(out.view(torch.int16), first.view(torch.int16)), f"M={M}: run {i + 1} differs"
     sync_or_die("gemm determinism")

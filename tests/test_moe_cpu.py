@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from moe_check import Layer, bitwise_equal, check_close, check_combined_matches_rows
+from moe_check import Layer, bitwise_equal, check_close, check_combined_matches_rows, check_strided_inputs
 from shapes import (K3_TP8, SMALL_SHAPES, TP16, count_bits, make_ids, make_route_weights,
                     make_weights, make_x, make_x_varied, poison_, rel_fro, seed_of)
 
@@ -234,6 +234,13 @@ def test_strided_out_rows(small_layers):
         mask[1:1 + rows, 32:32 + H] = False
         outside = big[mask]
         assert count_bits(outside, 0x7BCD) == outside.numel(), f"{what}: bytes outside the view changed"
+
+
+def test_strided_inputs(small_layers):
+    layer = small_layers["h128-i32-e3-k7"]
+    seed = seed_of("stride-in")
+    x, ids, rw = _inputs(layer, 5, seed)
+    check_strided_inputs(layer, x, ids, rw, f"{layer.describe()} B=5 seed={seed} strided inputs")
 
 
 def test_weights_not_modified(kx):

@@ -16,10 +16,10 @@ import torch
 
 from gpu_util import sync_or_die, to_cuda
 from moe_check import (Layer, assert_names_first_bad, bitwise_equal, check_close,
-                       check_combined_matches_rows, check_rows_close)
+                       check_combined_matches_rows, check_rows_close, check_strided_inputs)
 from shapes import (FINITE_SENTINEL, K3_TP8, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits,
-                    make_ids, make_route_weights, make_weights, make_x, make_x_varied, poison_, ref,
-                    rel_fro, seed_of, shape_id)
+                    every_scale_exponent, make_ids, make_route_weights, make_weights, make_x, make_x_varied,
+                    poison_, ref, rel_fro, seed_of, shape_id)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -67,6 +67,19 @@ def test_device_quantizer_bit_exact(kx, mode, B):
     assert torch.equal(s.cpu(), rs), f"{what}: scales differ from the reference"
     finite = torch.isfinite(x.float()).reshape(B, -1, 32).all(-1).repeat_interleave(32, 1)
     assert torch.equal(q.cpu()[finite], rq[finite]), f"{what}: elements differ from the reference"
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_device_quantizer_every_scale_exponent(kx, mode):
+    """Blocks at every binade bf16 has (subnormals included), amax at and around where the
+    two scale rules part: the device's bytes are the CPU backend's and the reference's."""
+    x = every_scale_exponent(torch.bfloat16, seed_of("dq-every-exponent")).reshape(-1, 128)
+    q, s = kx.quantize_mxfp8(x.to(DEV), scale=mode)
+    qc, sc = kx.quantize_mxfp8(x, scale=mode)
+    rq, rs = ref.quantize_mxfp8(x, mode)
+    what = f"device quantizer, every exponent, mode={mode}"
+    assert torch.equal(s.cpu(), sc) and torch.equal(s.cpu(), rs), f"{what}: scales differ"
+    assert torch.equal(q.cpu(), qc) and torch.equal(q.cpu(), rq), f"{what}: elements differ"
 
 
 def test_device_quantizer_strided_input_and_unaligned_outputs(kx):
@@ -457,6 +470,15 @@ def test_device_mismatch_errors(kx, gpu_layers, scratches):
     assert count_bits(out, FINITE_SENTINEL) == out.numel(), "written before the error"
     with pytest.raises(ValueError):
         kx.PersistentExperts(layer.weights[0], layer.weights[1].cpu(), *layer.weights[2:], top_k=K)
+
+
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_strided_inputs(kx, gpu_layers, B):
+    layer = gpu_layers["tp16"]
+    seed = seed_of("gpu-stride-in", B)
+    x, ids, rw = _inputs(layer, B, seed)
+    check_strided_inputs(layer, x, ids, rw, f"{layer.describe()} B={B} seed={seed} strided inputs")
+    sync_or_die("strided inputs")
 
 
 @pytest.mark.parametrize("H,I", [(65536 + 64, 32), (64, 65536 + 32)])
