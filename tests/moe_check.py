@@ -8,7 +8,7 @@ import re
 import torch
 
 from shapes import (FINITE_SENTINEL, MOE_ELEM_TOL, MOE_EXACT, MOE_RTOL, POISON_BF16, count_bits, poison_,
-                    ref, rel_fro)
+                    ref, rel_fro, strided_rows)
 
 
 class Layer:
@@ -124,10 +124,9 @@ def ulp_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_strided(t: torch.Tensor, pad: int, fill) -> torch.Tensor:
-    """t as a view into a buffer `pad` columns wider (row stride free), 3 columns in, the
-    rest of the buffer `fill`."""
-    buf = torch.full((t.shape[0], t.shape[1] + pad), fill, dtype=t.dtype, device=t.device)
-    view = buf[:, 3:3 + t.shape[1]]
+    """t copied into a strided_rows view, the rest of its buffer `fill`."""
+    buf, view = strided_rows(*t.shape, pad, t.dtype, t.device)
+    buf.fill_(fill)
     view.copy_(t)
     return view
 
@@ -136,7 +135,7 @@ def check_strided_inputs(layer, x, ids, route_weights, what):
     """x, ids and the routing weights as row-strided views whose buffers hold other values
     around them (other ids, weights of 7): per-slot rows and the combined output are the
     contiguous inputs' bit for bit, and close to the reference."""
-    xs, ids_s, rw_s = row_strided(x, 13, 1.0), row_strided(ids, 5, 0), row_strided(route_weights, 5, 7.0)
+    xs, ids_s, rw_s = row_strided(x, 7, 1.0), row_strided(ids, 7, 0), row_strided(route_weights, 7, 7.0)
     for weights, weights_s in ((None, None), (route_weights, rw_s)):
         plain = layer.run(x, ids, weights).clone()
         strided = layer.run(xs, ids_s, weights_s)

@@ -224,6 +224,15 @@ def _signed(bits: int, width: int) -> int:
     return bits - (1 << width) if bits >= 1 << (width - 1) else bits
 
 
+def strided_rows(rows: int, cols: int, pad: int, dtype, device, fill_bits: int | None = None):
+    """A [rows, cols] view into a buffer `pad` columns wider (row stride cols + pad), starting
+    `pad` // 2 columns in, the buffer filled with `fill_bits` if given; the buffer and the view."""
+    buf = torch.empty((rows, cols + pad), dtype=dtype, device=device)
+    if fill_bits is not None:
+        poison_(buf, fill_bits)
+    return buf, buf[:, pad // 2:pad // 2 + cols]
+
+
 def poison_(t: torch.Tensor, bits: int = POISON_BF16) -> torch.Tensor:
     """Fill a bf16/fp32 tensor (or view) with a sentinel bit pattern."""
     if t.dtype == torch.bfloat16:

@@ -16,7 +16,7 @@ import torch
 from gemm_check import abs_products, assert_gemm_close, make_gemm_inputs, neg_zero_count, want_for
 from moe_check import Layer, bitwise_equal, check_close
 from shapes import (count_bits, make_ids, make_route_weights, make_weights, make_x, make_x_varied,
-                    poison_, seed_of)
+                    poison_, seed_of, strided_rows)
 
 OUTSIDE = 0x2345  # bf16 bits of the bytes around an output view; a finite value never written
 
@@ -53,15 +53,6 @@ def moe_case(seed: int, lim: dict) -> dict:
                 hidden_scale=r.choice(["rceil", "floor"]), beta=_cap(r), linear_beta=_cap(r),
                 combine=r.random() < 0.5, varied=r.random() < 0.5,
                 x_pad=r.choice([0, 0, 64, 200]), out_pad=r.choice([0, 0, 32, 96]))
-
-
-def strided_rows(rows: int, cols: int, pad: int, dtype, device, fill_bits: int | None = None):
-    """A [rows, cols] view into a buffer `pad` columns wider (row stride cols + pad), starting
-    `pad` // 2 columns in; the buffer and the view."""
-    buf = torch.empty((rows, cols + pad), dtype=dtype, device=device)
-    if fill_bits is not None:
-        poison_(buf, fill_bits)
-    return buf, buf[:, pad // 2:pad // 2 + cols]
 
 
 def run_moe_case(kx, case: dict, device: str):
