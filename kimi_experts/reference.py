@@ -312,11 +312,75 @@ def _cap(v: torch.Tensor, c: float) -> torch.Tensor:
     return c * torch.tanh(v / c)
 
 
+def _silu(z: torch.Tensor) -> torch.Tensor:
+    return z / (1 + torch.exp(-z))
+
+
 def situ(a: torch.Tensor, inter: int, beta: float = 4.0, linear_beta: float = 25.0):
     """SPEC 3 step 3 on a [..., 2I] tensor: silu(cap(gate, beta)) * cap(up, linear_beta)."""
     gate, up = a[..., :inter], a[..., inter:]
-    g = _cap(gate, beta)
-    return g / (1 + torch.exp(-g)) * _cap(up, linear_beta)
+    return _silu(_cap(gate, beta)) * _cap(up, linear_beta)
+
+
+# ----------------------------------------------------------------- lawful distance (slack)
+# An implementation that follows SPEC 3 but sums in float32, in an order of its choosing,
+# lands near this reference, not on it: a hidden value within an fp32 rounding of an e4m3
+# rounding boundary may be quantized one step the other way (1/16-1/8 of it), and a block's
+# amax near a scale step may move the block's scale. moe_reference(..., slack=True) bounds
+# the distance per output element, taking every such choice into account, under two
+# assumptions with wide margins:
+# - every FC1 and FC2 sum lies within SUM_SLACK x (the sum of its terms' magnitudes) of the
+#   exact sum: 32x the largest error of the GPU's order (fp32 sums of 32-term blocks,
+#   accumulated block by block) emulated with every add rounded toward zero, 2^-25.2;
+# - SiTU evaluated in fp32 lies within SITU_SLACK of its value, relative (tanhf and expf
+#   err by <= 2 ulps; the gate's cap amplifies by at most 1 + beta).
+# The bound is wide for the ~1 % of hidden values near a boundary and ~2^-20 of a row's
+# size elsewhere.
+SUM_SLACK = 2.0**-20
+SITU_SLACK = 2.0**-18
+_SILU_ARGMIN = -1.2784645427610738  # silu'(z) = 0: 1 + e^-z + z e^-z = 0
+_SILU_MIN = _SILU_ARGMIN / (1 + math.exp(-_SILU_ARGMIN))
+
+
+def _hidden_interval(a, a_err, inter: int, beta: float, linear_beta: float):
+    """[lo, hi] holding SiTU(a') for every a' within a_err of a, evaluated in fp32."""
+    g_lo, g_hi = _cap(a[..., :inter] - a_err[..., :inter], beta), _cap(a[..., :inter] + a_err[..., :inter], beta)
+    u_lo, u_hi = (_cap(a[..., inter:] - a_err[..., inter:], linear_beta),
+                  _cap(a[..., inter:] + a_err[..., inter:], linear_beta))
+    s_lo, s_hi = torch.minimum(_silu(g_lo), _silu(g_hi)), torch.maximum(_silu(g_lo), _silu(g_hi))
+    dip = (g_lo <= _SILU_ARGMIN) & (g_hi >= _SILU_ARGMIN)  # silu's minimum lies inside
+    s_lo = torch.where(dip, _SILU_MIN, s_lo)
+    corners = torch.stack([s_lo * u_lo, s_lo * u_hi, s_hi * u_lo, s_hi * u_hi])
+    lo, hi = corners.amin(0), corners.amax(0)
+    return lo - SITU_SLACK * lo.abs(), hi + SITU_SLACK * hi.abs()
+
+
+def _mxfp8_at(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """v quantized to e4m3 under the given block scale exponents, as float64 values."""
+    p = _pow2(e)
+    return e4m3_to_float(float_to_e4m3(v / p)).double() * p
+
+
+def _mxfp8_slack(hq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: str) -> torch.Tensor:
+    """Per element of hq (this reference's MXFP8 values along the last axis): how far the
+    quantized value of anything in [lo, hi] can land from it, its block's scale included.
+    Rounding onto the grid is monotone, so each candidate scale needs only lo and hi."""
+    shape = hq.shape
+    blocks = (*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
+    finite = (torch.isfinite(lo) & torch.isfinite(hi)).reshape(blocks).all(-1, keepdim=True)
+    lo_b = torch.where(finite, lo.reshape(blocks), 0.0)
+    hi_b = torch.where(finite, hi.reshape(blocks), 0.0)
+    least = torch.where((lo_b <= 0) & (hi_b >= 0), 0.0, torch.minimum(lo_b.abs(), hi_b.abs()))
+    e_lo = mxfp8_scale_exponent(least.amax(-1), scale).unsqueeze(-1)
+    e_hi = mxfp8_scale_exponent(torch.maximum(lo_b.abs(), hi_b.abs()).amax(-1), scale).unsqueeze(-1)
+    q = hq.reshape(blocks)
+    q_min, q_max = q, q
+    for step in range(int((e_hi - e_lo).max()) + 1):
+        e = torch.minimum(e_lo + step, e_hi)
+        q_min = torch.minimum(q_min, _mxfp8_at(lo_b, e))
+        q_max = torch.maximum(q_max, _mxfp8_at(hi_b, e))
+    moved = torch.maximum(q - q_min, q_max - q)
+    return torch.where(finite, moved, math.nan).reshape(shape)
 
 
 def _dequant_expert(w13, s13, w2, s2, e: int, device):
@@ -328,7 +392,7 @@ def _dequant_expert(w13, s13, w2, s2, e: int, device):
 def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
                   linear_beta: float = 25.0, hidden_scale: str = "rceil",
                   dtype: torch.dtype = torch.float64, cache: dict | None = None,
-                  device=None) -> torch.Tensor:
+                  device=None, slack: bool = False):
     """SPEC 3 in plain PyTorch.
 
     w13 uint8 [E, 2I, H/2], s13 uint8 [E, 2I, H/32], w2 uint8 [E, H, I/2],
@@ -341,6 +405,11 @@ def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
     ``cache`` (optional dict) keeps each expert's dequantized float32 weights between
     calls, keyed by expert index: pass the same dict for the same weights only.
     ``device`` (default: x's device) is where the arithmetic runs.
+
+    With ``slack=True`` returns (out, slack): slack has out's shape and bounds, per
+    element, how far an implementation that sums in float32 in any order may lawfully
+    land from out before its own bf16 rounding (SUM_SLACK, SITU_SLACK above); NaN where
+    out is NaN.
     """
     w13, s13, w2, s2 = (torch.as_tensor(t) for t in (w13, s13, w2, s2))
     x = torch.as_tensor(x)
@@ -356,6 +425,7 @@ def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
     xq = dequantize_mxfp8(*quantize_mxfp8(x.to(device), "rceil")).to(dtype)
 
     rows = torch.full((batch * top_k, hidden), math.nan, dtype=dtype, device=device)
+    row_slack = torch.full_like(rows, math.nan) if slack else None
     flat_ids = ids.reshape(-1).to(device).long()
     for e in torch.unique(flat_ids).tolist():
         if not 0 <= e < n_exp:
@@ -376,23 +446,37 @@ def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
         hq = dequantize_mxfp8(*quantize_mxfp8(h, hidden_scale)).to(dtype)
         # 5. FC2.
         rows[slots] = hq @ w2e.to(dtype).T
+        if slack:
+            a_err = SUM_SLACK * (xs.abs() @ w13e.to(dtype).abs().T)
+            moved = _mxfp8_slack(hq, *_hidden_interval(a, a_err, inter, beta, linear_beta), hidden_scale)
+            row_slack[slots] = (moved + SUM_SLACK * (hq.abs() + moved)) @ w2e.to(dtype).abs().T
     if weights is None:
-        return rows
-    return combine_rows(rows, weights, dtype=dtype)
+        return (rows, row_slack) if slack else rows
+    return combine_rows(rows, weights, dtype=dtype, row_slack=row_slack)
 
 
-def combine_rows(rows: torch.Tensor, weights, *, dtype: torch.dtype = torch.float64):
+def combine_rows(rows: torch.Tensor, weights, *, dtype: torch.dtype = torch.float64,
+                 row_slack: torch.Tensor | None = None):
     """SPEC 3 step 6, combined form: rows [B*K_top, H] (reference values before the
     bf16 rounding, or the library's bf16 rows) and weights [B, K_top] ->
     z [B, H] = sum_j weights[t, j] * bf16(row_tj), accumulated in slot order in
-    ``dtype`` (before the final bf16 rounding)."""
+    ``dtype`` (before the final bf16 rounding). Given the rows' slack (moe_reference),
+    returns (z, z's slack): each row's lawful distance carried through its bf16
+    rounding, plus an fp32 sum's."""
     w = torch.as_tensor(weights).to(device=rows.device, dtype=dtype)
     batch, top_k = w.shape
-    rb = to_bf16(rows).to(dtype).reshape(batch, top_k, rows.shape[-1])
+    shape = (batch, top_k, rows.shape[-1])
+    rb = to_bf16(rows).to(dtype).reshape(shape)
     z = torch.zeros((batch, rows.shape[-1]), dtype=dtype, device=rows.device)
     for j in range(top_k):  # slot order
         z = z + w[:, j:j + 1] * rb[:, j]
-    return z
+    if row_slack is None:
+        return z
+    r, s = rows.to(dtype).reshape(shape), row_slack.to(dtype).reshape(shape)
+    # bf16 rounding is monotone: a row within s of r rounds within these of bf16(r)
+    moved = torch.maximum(to_bf16(r + s).to(dtype) - rb, rb - to_bf16(r - s).to(dtype))
+    terms = w.abs().unsqueeze(-1) * (moved + SUM_SLACK * (rb.abs() + moved))
+    return z, terms.sum(1)
 
 
 # --------------------------------------------------------------------------- GEMM

@@ -196,21 +196,22 @@ def rel_fro(out: torch.Tensor, ref_t: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-# Why not bit-exactness: the library accumulates FC1 in fp32 in an order of its choosing;
-# the reference accumulates in float64. A hidden value h that lies within an fp32 rounding
-# of an e4m3 rounding boundary can then be quantized one e4m3 step apart (a 1/16 relative
-# change of that element), and an amax within rounding of a power of two can move a whole
-# block's MXFP8 scale. Such flips are rare and each moves its row by far less than 1e-2 of
-# the row's size; a real bug (wrong expert, slot, nibble order, scale) gives errors of O(1).
-# So an output passes (moe_check.check_close) when
+# Why not bit-exactness: the library sums FC1 and FC2 in fp32 in an order of its choosing;
+# the reference sums in float64. A hidden value h within an fp32 rounding of an e4m3
+# rounding boundary can then be quantized one e4m3 step the other way (1/16-1/8 of it),
+# and an amax near a scale step can move a whole block's MXFP8 scale; where h carries much
+# of its row, that moves the row's outputs by several percent of the row (session 89 saw
+# 6.5 % on the CPU backend: one fp32 ulp of h, on a midpoint). So an output passes
+# (moe_check.check_close) when
 # - its relative Frobenius error is below MOE_RTOL (bf16 rounding alone gives 1.66e-3);
 # - at least MOE_EXACT of its elements are the reference rounded to bf16, bit for bit (the
-#   CPU backend: >= 99.999 %; a wrong rounding mode leaves about half);
-# - every element lies within one bf16 ulp plus MOE_ELEM_TOL of its row's rms of the
-#   reference (a flip moves elements by ~0.3 % of it, a dropped or misplaced one by ~100 %).
+#   CPU backend: >= 99.8 %; a wrong rounding mode leaves about half);
+# - every element is the bf16 rounding of a value within the reference's slack
+#   (reference.moe_reference(slack=True): every way fp32 sums may move it, those flips
+#   included; ~2^-20 of the row for most elements), so a dropped, misplaced or truncated
+#   element fails.
 MOE_RTOL = 2e-2
 MOE_EXACT = 0.95
-MOE_ELEM_TOL = 3e-2
 
 POISON_BF16 = 0xFFFF  # a bf16 NaN the library never writes for finite data
 # A finite bf16 pattern (~5.7e-28) for outputs where NaN rows are expected, so "not

@@ -116,7 +116,7 @@ def test_every_batch_size(kx, gpu_layers, scratches, shape, B):
     check_close(rows, want, what + " rows")
     z = layer.run(x, ids, rw, scratch=scr)
     sync_or_die(what + " combined")
-    check_close(z, ref.combine_rows(want, rw), what + " combined")
+    check_close(z, want.combined(rw), what + " combined")
     check_combined_matches_rows(z, rows, rw, what)
 
 
@@ -133,7 +133,7 @@ def test_large_batch(kx, gpu_layers, scratches, shape, B):
     check_close(rows, want, what + " rows")
     z = layer.run(x, ids, rw, scratch=scratches[shape["name"]])
     sync_or_die(what)
-    check_close(z, ref.combine_rows(want, rw), what + " combined")
+    check_close(z, want.combined(rw), what + " combined")
 
 
 @pytest.mark.parametrize("B", [9, 20, 27, 64])
@@ -182,7 +182,7 @@ def _check_rows_and_combined(kx, shape, batches, tag):
         check_close(rows, want, what + " rows")
         z = layer.run(x, ids, rw)
         sync_or_die(what)
-        check_close(z, ref.combine_rows(want, rw), what + " combined")
+        check_close(z, want.combined(rw), what + " combined")
 
 
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=shape_id)
@@ -215,7 +215,7 @@ def test_combine_paths_at_wide_rows(kx):
         sync_or_die(what)
         z = layer.run(x, ids, rw)
         sync_or_die(what)
-        check_close(z, ref.combine_rows(layer.reference(x, ids), rw), what + " combined")
+        check_close(z, layer.reference(x, ids).combined(rw), what + " combined")
         check_combined_matches_rows(z, rows, rw, what)
 
 
@@ -339,7 +339,7 @@ def test_nonfinite_x(kx, gpu_layers, value):
     z = layer.run(x, ids, rw, poison=FINITE_SENTINEL)
     sync_or_die(what)
     assert bool(torch.isnan(z[[2, 5]]).all()), f"{what}: combined rows 2, 5 not all NaN"
-    check_rows_close(z, ref.combine_rows(want, rw), what + " combined", [0, 1, 3, 4, 6, 7])
+    check_rows_close(z, want.combined(rw), what + " combined", [0, 1, 3, 4, 6, 7])
     layer.moe.check()  # not a routing error
     # the next clean call is correct (no stale state)
     x2, ids2, _ = _inputs(layer, B, seed + 1)

@@ -225,3 +225,84 @@ def test_gemm_reference_and_to_bf16(ref):
     z = ref.to_bf16(torch.tensor([-0.0, 1.0, -1e-45]), no_negative_zero=True)
     assert ref.bf16_bits(z).tolist() == [0, 0x3F80, 0]
     assert ref.bf16_bits(ref.to_bf16(torch.tensor([-0.0]))).tolist() == [0x8000]
+
+
+def _lawful_rows(ref, w13, s13, w2, s2, x, ids, scale, reach, seed):
+    """The rows of an implementation that errs by up to `reach` x the slack's assumptions:
+    each FC1 and FC2 sum moved by a random fraction of SUM_SLACK x its terms' magnitudes,
+    SiTU by one of SITU_SLACK, with the hidden values then quantized as SPEC 3 says.
+    Returns the rows and how many hidden values came out other than the reference's."""
+    g = gen(seed)
+    inter = w13.shape[1] // 2
+    W13, W2 = ref.dequantize_mxfp4(w13, s13).double(), ref.dequantize_mxfp4(w2, s2).double()
+    xq = ref.dequantize_mxfp8(*ref.quantize_mxfp8(x)).double()
+    rows, flips = [], 0
+    for t, e in ((t, int(e)) for t in range(ids.shape[0]) for e in ids[t]):
+        def jitter(n, bound):  # a fraction in [-1, 1] of the bound, its ends included
+            u = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1
+            u[torch.rand(n, generator=g) < 0.25] = 1.0
+            return reach * bound * u * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        a = W13[e] @ xq[t]
+        a_lawful = a + jitter(a.numel(), ref.SUM_SLACK * (W13[e].abs() @ xq[t].abs()))
+        h = ref.situ(a_lawful, inter)
+        h = (h * (1 + jitter(h.numel(), ref.SITU_SLACK))).float()
+        hq = ref.dequantize_mxfp8(*ref.quantize_mxfp8(h[None], scale)).double()[0]
+        flips += int((hq != ref.dequantize_mxfp8(*ref.quantize_mxfp8(ref.situ(a, inter).float()[None],
+                                                                        scale)).double()[0]).sum())
+        y = W2[e] @ hq
+        rows.append(y + jitter(y.numel(), ref.SUM_SLACK * (W2[e].abs() @ hq.abs())))
+    return torch.stack(rows), flips
+
+
+@pytest.mark.parametrize("scale", ["rceil", "floor"])
+def test_moe_reference_slack_covers_lawful_rows(ref, scale):
+    """moe_reference's slack holds every row an implementation within its assumptions can
+    produce, hidden values quantized the other way included (the test counts them), and
+    carries through the combine; twice the assumed error breaks it (it is not vacuous)."""
+    E, H, I, K, B = 4, 256, 64, 4, 24
+    seed = seed_of("slack", scale)
+    w = quantized_fp4_weights(E, H, I, seed)
+    x, ids, rw = make_x(B, H, seed), make_ids(B, K, E, seed), make_route_weights(B, K, seed)
+    value, slack = ref.moe_reference(*w, x, ids, hidden_scale=scale, slack=True)
+    z, z_slack = ref.moe_reference(*w, x, ids, rw, hidden_scale=scale, slack=True)
+    assert bool((slack > 0).all()) and bool((slack < value.abs().amax(-1, keepdim=True)).all())
+    total_flips = 0
+    for trial in range(6):
+        rows, flips = _lawful_rows(ref, *w, x, ids, scale, 1.0, seed + trial)
+        total_flips += flips
+        over = (rows - value).abs() - slack
+        assert bool((over <= 1e-12 * value.abs()).all()), f"trial {trial}: a lawful row beyond the slack by {over.max():.3g}"
+        zl = (rw.double()[:, :, None] * ref.to_bf16(rows).double().reshape(B, K, H)).sum(1)
+        assert bool(((zl - z).abs() <= z_slack * (1 + 1e-12)).all()), f"trial {trial}: combined beyond its slack"
+    assert total_flips > 0, "no hidden value was quantized the other way: the test exercised nothing"
+    beyond = False
+    for trial in range(6):
+        rows, _ = _lawful_rows(ref, *w, x, ids, scale, 2.0, seed + 100 + trial)
+        beyond |= bool(((rows - value).abs() > slack).any())
+    assert beyond, "twice the assumed error never left the slack: it bounds nothing"
+
+
+@pytest.mark.parametrize("scale", ["rceil", "floor"])
+def test_mxfp8_slack_at_scale_steps(ref, scale):
+    """Blocks whose amax sits just under, on and just over a scale step (and elements on
+    rounding midpoints): every block drawn from [lo, hi], quantized whole, lies within the
+    slack of the reference's quantization of the block's middle."""
+    g = gen(seed_of("slack-steps", scale))
+    top = 448.0 if scale == "rceil" else 1.0  # where the scale exponent steps (x 2^k)
+    base = torch.rand((64, 32), generator=g, dtype=torch.float64) * 2 - 1
+    step = top * 2.0 ** torch.randint(-6, 6, (64, 1), generator=g).double()
+    base[:, 0] = step[:, 0] * (1 + torch.tensor([-2.0**-22, 0.0, 2.0**-22, 2.0**-30]).repeat(16))
+    base[:, 1] = step[:, 0] * 304 / 448  # an e4m3 midpoint at the upper scale
+    mid = base.float().double()
+    half = mid.abs() * 2.0**-21
+    lo, hi = mid - half, mid + half
+    hq = ref.dequantize_mxfp8(*ref.quantize_mxfp8(mid, scale)).double()
+    hs = ref.quantize_mxfp8(mid, scale)[1]
+    slack = ref._mxfp8_slack(hq, lo, hi, scale)
+    stepped = torch.zeros(64, dtype=torch.bool)
+    for u in (0.0, 1.0, *torch.rand(14, generator=g).tolist()):
+        for sign in (1.0, -1.0):
+            q, s = ref.quantize_mxfp8(mid + sign * u * half, scale)
+            stepped |= (s != hs)[:, 0]
+            assert bool(((ref.dequantize_mxfp8(q, s).double() - hq).abs() <= slack).all()), f"u={u} sign={sign}"
+    assert int(stepped.sum()) >= 16, f"only {int(stepped.sum())} blocks' scales stepped: the test exercised little"
