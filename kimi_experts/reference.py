@@ -344,9 +344,9 @@ _SILU_MIN = _SILU_ARGMIN / (1 + math.exp(-_SILU_ARGMIN))
 
 def _hidden_interval(a, a_err, inter: int, beta: float, linear_beta: float):
     """[lo, hi] holding SiTU(a') for every a' within a_err of a, evaluated in fp32."""
-    g_lo, g_hi = _cap(a[..., :inter] - a_err[..., :inter], beta), _cap(a[..., :inter] + a_err[..., :inter], beta)
-    u_lo, u_hi = (_cap(a[..., inter:] - a_err[..., inter:], linear_beta),
-                  _cap(a[..., inter:] + a_err[..., inter:], linear_beta))
+    gate, up, d_gate, d_up = a[..., :inter], a[..., inter:], a_err[..., :inter], a_err[..., inter:]
+    g_lo, g_hi = _cap(gate - d_gate, beta), _cap(gate + d_gate, beta)
+    u_lo, u_hi = _cap(up - d_up, linear_beta), _cap(up + d_up, linear_beta)
     s_lo, s_hi = torch.minimum(_silu(g_lo), _silu(g_hi)), torch.maximum(_silu(g_lo), _silu(g_hi))
     dip = (g_lo <= _SILU_ARGMIN) & (g_hi >= _SILU_ARGMIN)  # silu's minimum lies inside
     s_lo = torch.where(dip, _SILU_MIN, s_lo)

@@ -17,7 +17,7 @@ import torch
 from gpu_util import sync_or_die, to_cuda
 from moe_check import (Layer, assert_names_first_bad, bitwise_equal, check_close,
                        check_combined_matches_rows, check_rows_close, check_strided_inputs)
-from shapes import (FINITE_SENTINEL, K3_TP8, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits,
+from shapes import (FINITE_SENTINEL, K3_TP8, MOE_EXACT, OTHER_MODEL_SHAPES, SMALL_SHAPES, TP16, count_bits,
                     every_scale_exponent, make_ids, make_route_weights, make_weights, make_x, make_x_varied,
                     poison_, ref, rel_fro, seed_of, shape_id)
 
@@ -253,16 +253,22 @@ def test_one_stage_tiles_many_launches(kx):
 
 
 def test_gpu_matches_cpu_backend(kx, gpu_layers, weights_for):
-    """GPU and CPU backends agree to the MoE tolerance on the same inputs."""
+    """GPU and CPU backends on the same inputs: both within the reference's lawful range, and
+    the same bf16 bits for at least MOE_EXACT of the elements."""
     layer = gpu_layers["tp16"]
     cpu = Layer(kx, TP16, weights_for(TP16, seed=0))
     B = 4
     seed = seed_of("gpu-vs-cpu")
     x, ids, rw = _inputs(layer, B, seed)
+    what = f"{layer.describe()} B={B} seed={seed}"
     g = layer.run(x, ids)
     sync_or_die("gpu vs cpu")
     c = cpu.run(x.cpu(), ids.cpu())
-    check_close(g.cpu(), c.double(), f"{layer.describe()} B={B} seed={seed} GPU vs CPU")
+    want = layer.reference(x, ids)
+    check_close(g, want, what + " GPU")
+    check_close(c, want, what + " CPU")
+    same = float((g.cpu() == c).double().mean())
+    assert same >= MOE_EXACT, f"{what}: only {same:.2%} of the elements are the same bits on GPU and CPU"
 
 
 def _worst_rows(g, c, ids, x, top_k, n=4):
