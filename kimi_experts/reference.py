@@ -383,10 +383,12 @@ def _mxfp8_slack(hq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: st
     return torch.where(finite, moved, math.nan).reshape(shape)
 
 
-def _dequant_expert(w13, s13, w2, s2, e: int, device):
-    w13e = dequantize_mxfp4(w13[e].to(device), s13[e].to(device))
-    w2e = dequantize_mxfp4(w2[e].to(device), s2[e].to(device))
-    return w13e, w2e
+def _expert_weight(cache: dict | None, e: int, which: int, q, s, device) -> torch.Tensor:
+    """Expert e's dequantized w13 (which = 0) or w2 (which = 1), kept in cache[e] when given."""
+    held = cache.setdefault(e, [None, None]) if cache is not None else [None, None]
+    if held[which] is None:
+        held[which] = dequantize_mxfp4(q[e].to(device), s[e].to(device))
+    return held[which]
 
 
 def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
@@ -424,32 +426,34 @@ def moe_reference(w13, s13, w2, s2, x, ids, weights=None, *, beta: float = 4.0,
     # 1. xq = MXFP8(x), rceil, blocks along H (x widened to fp32 exactly).
     xq = dequantize_mxfp8(*quantize_mxfp8(x.to(device), "rceil")).to(dtype)
 
+    flat_ids = ids.reshape(-1).to(device).long()
+    experts = [(e, torch.nonzero(flat_ids == e).squeeze(1))
+               for e in torch.unique(flat_ids).tolist() if 0 <= e < n_exp]  # a bad id's row stays NaN
+
+    # 2. FC1 (exact products; accumulation in dtype), expert by expert.
+    a = torch.full((batch * top_k, two_i), math.nan, dtype=dtype, device=device)
+    a_err = torch.zeros_like(a) if slack else None
+    for e, slots in experts:
+        w13e = _expert_weight(cache, e, 0, w13, s13, device).to(dtype)
+        xs = xq[slots // top_k]
+        a[slots] = xs @ w13e.T
+        if slack:
+            a_err[slots] = SUM_SLACK * (xs.abs() @ w13e.abs().T)
+    # 3. SiTU in dtype, then rounded to fp32 like the library's h.
+    h = situ(a, inter, beta, linear_beta).float()
+    # 4. hq = MXFP8(h) along I with the layer's hidden_scale.
+    hq = dequantize_mxfp8(*quantize_mxfp8(h, hidden_scale)).to(dtype)
+    if slack:
+        moved = _mxfp8_slack(hq, *_hidden_interval(a, a_err, inter, beta, linear_beta), hidden_scale)
+        hq_err = moved + SUM_SLACK * (hq.abs() + moved)
+    # 5. FC2.
     rows = torch.full((batch * top_k, hidden), math.nan, dtype=dtype, device=device)
     row_slack = torch.full_like(rows, math.nan) if slack else None
-    flat_ids = ids.reshape(-1).to(device).long()
-    for e in torch.unique(flat_ids).tolist():
-        if not 0 <= e < n_exp:
-            continue  # bad id: the row stays NaN
-        slots = torch.nonzero(flat_ids == e).squeeze(1)
-        if cache is not None and e in cache:
-            w13e, w2e = cache[e]
-        else:
-            w13e, w2e = _dequant_expert(w13, s13, w2, s2, e, device)
-            if cache is not None:
-                cache[e] = (w13e, w2e)
-        xs = xq[slots // top_k]
-        # 2. FC1 (exact products; accumulation in dtype).
-        a = xs @ w13e.to(dtype).T
-        # 3. SiTU in dtype, then rounded to fp32 like the library's h.
-        h = situ(a, inter, beta, linear_beta).float()
-        # 4. hq = MXFP8(h) along I with the layer's hidden_scale.
-        hq = dequantize_mxfp8(*quantize_mxfp8(h, hidden_scale)).to(dtype)
-        # 5. FC2.
-        rows[slots] = hq @ w2e.to(dtype).T
+    for e, slots in experts:
+        w2e = _expert_weight(cache, e, 1, w2, s2, device).to(dtype)
+        rows[slots] = hq[slots] @ w2e.T
         if slack:
-            a_err = SUM_SLACK * (xs.abs() @ w13e.to(dtype).abs().T)
-            moved = _mxfp8_slack(hq, *_hidden_interval(a, a_err, inter, beta, linear_beta), hidden_scale)
-            row_slack[slots] = (moved + SUM_SLACK * (hq.abs() + moved)) @ w2e.to(dtype).abs().T
+            row_slack[slots] = hq_err[slots] @ w2e.abs().T
     if weights is None:
         return (rows, row_slack) if slack else rows
     return combine_rows(rows, weights, dtype=dtype, row_slack=row_slack)
