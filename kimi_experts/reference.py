@@ -52,7 +52,10 @@ __all__ = [
     "combine_rows",
     "gemm_reference",
     "to_bf16",
+    "bf16_range",
     "bf16_bits",
+    "SUM_SLACK",
+    "SITU_SLACK",
 ]
 
 MX_BLOCK = 32
@@ -298,6 +301,12 @@ def to_bf16(t: torch.Tensor, *, no_negative_zero: bool = False) -> torch.Tensor:
     if no_negative_zero:
         out = torch.where(out == 0, torch.zeros_like(out), out)
     return out
+
+
+def bf16_range(value: torch.Tensor, slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi] (float64): the bf16 values an implementation within ``slack`` of ``value``
+    (moe_reference(slack=True)) may write. Rounding to bf16 is monotone, so the ends suffice."""
+    return to_bf16(value - slack).double(), to_bf16(value + slack).double()
 
 
 def bf16_bits(t: torch.Tensor) -> torch.Tensor:

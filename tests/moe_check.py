@@ -115,8 +115,7 @@ def check_close(out, want: Expected, what, *, rtol=MOE_RTOL, finite=True) -> flo
     exact = float((got == ref.to_bf16(value).double())[known].double().mean()) if bool(known.any()) else 1.0
     assert exact >= MOE_EXACT, (f"{what}: only {exact:.2%} of the elements are the reference rounded "
                                 f"to bf16 (at least {MOE_EXACT:.0%} must be)")
-    # bf16 rounding is monotone: a value within the slack rounds into [lo, hi]
-    lo, hi = ref.to_bf16(value - slack).double(), ref.to_bf16(value + slack).double()
+    lo, hi = ref.bf16_range(value, slack)
     bad = torch.nonzero(~((got >= lo) & (got <= hi)) & known)
     assert bad.numel() == 0, (
         f"{what}: {bad.shape[0]} elements outside the reference's lawful range; first at "
