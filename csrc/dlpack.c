@@ -355,9 +355,11 @@ static int consume_capsule(PyObject *capsule, PyObject *source, const char *arg,
     }
     dl = &m->dl_tensor;
     out->readonly = (m->flags & DLPACK_FLAG_BITMASK_READ_ONLY) != 0;
+    out->copied = (m->flags & DLPACK_FLAG_BITMASK_IS_COPIED) != 0;
   } else {
     dl = &((const DLManagedTensor *)managed)->dl_tensor;
     out->readonly = 0;
+    out->copied = 0;
   }
   if (read_dltensor(dl, arg, out) < 0) return -1;
 
@@ -492,9 +494,17 @@ int kx_raise_layout(const kx_tensor *t, const char *arg, const char *expected) {
 }
 
 int kx_check_writable(const kx_tensor *t, const char *arg) {
-  if (!t->readonly) return 0;
-  PyErr_Format(PyExc_ValueError, "%s: expected a writable tensor, got a read-only one", arg);
-  return -1;
+  if (t->readonly) {
+    PyErr_Format(PyExc_ValueError, "%s: expected a writable tensor, got a read-only one", arg);
+    return -1;
+  }
+  if (t->copied) {
+    PyErr_Format(PyExc_ValueError,
+                 "%s: expected the tensor's own memory, its producer exported a copy "
+                 "(results written there would never reach it)", arg);
+    return -1;
+  }
+  return 0;
 }
 
 /* ---- export: _C.DLPackView ------------------------------------------------------------
@@ -606,7 +616,8 @@ static PyObject *view_dlpack(PyObject *op, PyObject *const *args, Py_ssize_t nar
     if (e == NULL) return PyErr_NoMemory();
     e->managed.version.major = KX_DLPACK_MAJOR;
     e->managed.version.minor = KX_DLPACK_MINOR;
-    e->managed.flags = self->t.readonly ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
+    e->managed.flags = (self->t.readonly ? DLPACK_FLAG_BITMASK_READ_ONLY : 0) |
+                       (self->t.copied ? DLPACK_FLAG_BITMASK_IS_COPIED : 0);
     e->managed.manager_ctx = Py_NewRef(op);
     e->managed.deleter = export_versioned_deleter;
     fill_dltensor(self, &e->managed.dl_tensor, e->shape, e->strides);

@@ -131,6 +131,7 @@ typedef struct kx_tensor {
   DLDevice dl_device;
   kx_device device;
   int readonly;     /* the producer marked the memory read-only (DLPack >= 1.0) */
+  int copied;       /* the producer exported a copy (DLPack >= 1.0): writes would not reach it */
   PyObject *owner;  /* strong ref; its destruction calls the producer's deleter once */
   PyObject *source; /* strong ref to the object passed in, kept alive with the memory;
                      * types that keep a kx_tensor visit it in tp_traverse, so cycles

@@ -45,7 +45,7 @@ static PyObject *fn_backend_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSE
 
 static PyObject *fn_reinterpret(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                                 PyObject *kwnames) {
-  static const char *const names[] = {"tensor", "dtype", NULL};
+  static const char *const names[] = {"bits", "dtype", NULL};
   static const kx_argspec spec = {"reinterpret", names, 2, 2};
   static const char *const dtypes[] = {"bfloat16", "float16", "uint8", "int32", "float32", NULL};
   PyObject *v[2];
@@ -54,14 +54,17 @@ static PyObject *fn_reinterpret(PyObject *module, PyObject *const *args, Py_ssiz
   if (kx_arg_choice(v[1], "dtype", dtypes, &which) < 0) return NULL;
   const kx_dtype dtype = kx_dtype_from_name(dtypes[which]);
   kx_tensor t;
-  if (kx_tensor_import(v[0], "tensor", KX_STREAM_NO_SYNC, &t) < 0) return NULL;
+  if (kx_tensor_import(v[0], "bits", KX_STREAM_NO_SYNC, &t) < 0) return NULL;
   PyObject *view = NULL;
-  if ((size_t)t.dl_dtype.bits != 8 * kx_dtype_size(dtype) || t.dl_dtype.lanes != 1) {
+  /* Integer bit patterns of the width, or the dtype itself: float16 has bfloat16's width but
+   * holds values, which read as bf16 bits would be other numbers. */
+  const int bits_or_same = t.dl_dtype.code == kDLInt || t.dl_dtype.code == kDLUInt || t.dtype == dtype;
+  if ((size_t)t.dl_dtype.bits != 8 * kx_dtype_size(dtype) || t.dl_dtype.lanes != 1 || !bits_or_same) {
     char got[64];
     kx_tensor_dtype_str(&t, got, sizeof got);
-    PyErr_Format(PyExc_ValueError,
-                 "tensor: expected %zu-bit elements to view as %s, got %s", 8 * kx_dtype_size(dtype),
-                 dtypes[which], got);
+    PyErr_Format(PyExc_TypeError,
+                 "bits: expected %zu-bit integer bit patterns (or %s) to view as %s, got %s",
+                 8 * kx_dtype_size(dtype), dtypes[which], dtypes[which], got);
   } else {
     view = kx_dlpack_view_new(kx_state_of_module(module)->view_type, &t, dtype);
   }
@@ -166,7 +169,7 @@ static PyMethodDef module_methods[] = {
     {"dequantize", KX_FASTCALL(kx_fn_dequantize),
      PyDoc_STR("dequantize(q, scales, fmt) -> float32 [..., K]")},
     {"reinterpret", KX_FASTCALL(fn_reinterpret),
-     PyDoc_STR("reinterpret(tensor, dtype) -> DLPackView of the same memory under `dtype`")},
+     PyDoc_STR("reinterpret(bits, dtype) -> DLPackView of the same memory under `dtype`")},
     {"probe_add", KX_FASTCALL(fn_probe_add),
      PyDoc_STR("probe_add(x, out, value, stream=0): out = x + value on the GPU (wiring test)")},
     {"probe_read", KX_FASTCALL(fn_probe_read),

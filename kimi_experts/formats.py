@@ -148,9 +148,9 @@ def as_bfloat16(bits):
     >>> out_bits = np.empty((4 * 16, 3584), np.uint16)
     >>> moe.prepare(4, buffers, kx.as_bfloat16(out_bits))
     """
-    if isinstance(bits, np.ndarray) and bits.dtype.itemsize == 2 and bits.dtype.kind not in "iu":
-        bits = bits.view(np.uint16)  # e.g. ml_dtypes.bfloat16, which DLPack cannot export
-    return _C.reinterpret(bits, "bfloat16")
+    if isinstance(bits, np.ndarray) and bits.dtype.name == "bfloat16":
+        bits = bits.view(np.uint16)  # ml_dtypes.bfloat16, which DLPack cannot export
+    return _C.reinterpret(bits, "bfloat16")  # refuses float16 and other values (TypeError)
 
 
 def float32_to_bf16(x) -> np.ndarray:

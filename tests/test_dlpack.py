@@ -281,6 +281,63 @@ def test_no_leak_over_many_calls(kx, layer):
     assert rss1 - rss0 < 32 * 2**20, f"RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1500 steps"
 
 
+class CopyingExporter(OnlyDLPack):
+    """Exports a copy of its array, flagged IS_COPIED (what the array API lets a producer do
+    when it cannot share its memory): writes into it would never reach the array."""
+
+    def __dlpack__(self, *args, **kwargs):
+        kwargs["copy"] = True
+        return self._arr.__dlpack__(*args, **kwargs)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize("make", [_read_only, CopyingExporter], ids=["read-only", "exported-copy"])
+def test_outputs_must_be_the_callers_writable_memory(kx, layer, make):
+    """Every output (run()'s out, WsGemm's out / logits / latent, quantize_mxfp8's q and
+    scales) is refused when its producer exports it read-only or as a copy; the same arrays
+    are fine as inputs."""
+    B = 2
+    rows = np.zeros((B * K, H), np.uint16)
+    with pytest.raises(ValueError, match=r"^out: .*(read-only|copy)"):
+        layer.moe.prepare(B, kx.scratch(layer.moe), kx.as_bfloat16(make(rows)))
+    gemm = kx.WsGemm(torch.zeros((96, 64), dtype=torch.bfloat16), split=32, valid=16)
+    with pytest.raises(ValueError, match=r"^out: .*(read-only|copy)"):
+        kx.WsGemm(torch.zeros((96, 64), dtype=torch.bfloat16)).prepare(1, kx.as_bfloat16(make(np.zeros((1, 96), np.uint16))))
+    with pytest.raises(ValueError, match=r"^logits: .*(read-only|copy)"):
+        gemm.prepare(1, logits=make(np.zeros((1, 16), np.float32)),
+                     latent=torch.zeros((1, 64), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^latent: .*(read-only|copy)"):
+        gemm.prepare(1, logits=np.zeros((1, 16), np.float32),
+                     latent=kx.as_bfloat16(make(np.zeros((1, 64), np.uint16))))
+    x = kx.as_bfloat16(make(kx.float32_to_bf16(np.ones((1, 64), np.float32))))
+    q_ok, s_ok = np.zeros((1, 64), np.uint8), np.zeros((1, 2), np.uint8)
+    with pytest.raises(ValueError, match=r"^q: .*(read-only|copy)"):
+        kx.quantize_mxfp8(x, out=(make(np.zeros((1, 64), np.uint8)), s_ok))
+    with pytest.raises(ValueError, match=r"^scales: .*(read-only|copy)"):
+        kx.quantize_mxfp8(x, out=(q_ok, make(np.zeros((1, 2), np.uint8))))
+    kx.quantize_mxfp8(x, out=(q_ok, s_ok))  # as an input it is fine
+    assert int(s_ok[0, 0]) == 127 - 8, "x read through the read-only / copied export"
+
+
+def test_as_bfloat16_takes_bit_patterns_only(kx):
+    """float16 has bf16's width but holds values: viewing it as bf16 would make every number
+    wrong (1.0 would read 0.0078125), so it is refused, as are other dtypes; uint16 / int16
+    bits and bfloat16 tensors are views of the same memory."""
+    for bad in (np.ones(4, np.float16), torch.ones(4, dtype=torch.float16), np.ones(4, np.float32),
+                OnlyDLPack(np.ones(4, np.float16))):
+        with pytest.raises(TypeError, match=r"^bits: .*got (float16|float32)"):
+            kx.as_bfloat16(bad)
+    bits = kx.float32_to_bf16(np.array([1.0, -2.5], np.float32))
+    for good in (bits, bits.view(np.int16), torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)):
+        q, s = kx.quantize_mxfp8(kx.as_bfloat16(np.tile(np.asarray(good).view(np.uint16), 16)
+                                                if isinstance(good, np.ndarray) else good.repeat(16)))
+        assert np.array_equal(kx.dequantize(q, s, "mxfp8")[:2], [1.0, -2.5])
+
+
 def test_unconsumed_export_keeps_the_pending_exception(kx):
     """A DLPackView's capsule that dies unconsumed while an exception is being raised frees
     its memory and leaves that exception as it was."""
