@@ -242,17 +242,22 @@ class TensorParallelExperts:
         out : bf16 tensor [batch, H]
             The combined output: the rank's partial, then (with a group) the sum over
             the group. A torch tensor when a group is used (the all-reduce needs one);
-            on the group's device (CUDA for NCCL, CPU for gloo).
+            on the group's device (CUDA for NCCL, CPU for gloo), and contiguous.
 
         Raises
         ------
         ValueError, TypeError
             As :meth:`PersistentExperts.prepare`; TypeError also for a non-torch
-            ``out`` when a group is used.
+            ``out`` when a group is used, ValueError for a strided one.
         """
         if self._reduce and not is_torch(out):
             raise TypeError("out: expected a torch tensor (it is all-reduced over the "
                             f"group), got {type(out).__name__}")
+        if self._reduce and not out.is_contiguous():
+            # all_reduce takes numel elements from data_ptr: a row-strided view would leave
+            # its last rows unreduced and sum the caller's memory between its rows
+            raise ValueError(f"out: expected a contiguous tensor (it is all-reduced in place over the "
+                             f"group), got strides {tuple(out.stride())} for shape {tuple(out.shape)}")
         self.local.prepare(batch, scratch, out, combine=True)
 
     def run(self, x, ids, weights, *, stream=None):

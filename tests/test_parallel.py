@@ -290,6 +290,9 @@ def _dist_worker(rank, world, init_file, backend, payload, out_dir):
             kx.TensorParallelExperts(*w, group=group, tp=world + 1, **_settings(shape))
         layer = kx.TensorParallelExperts(*w, group=group, **_settings(shape))
         assert (layer.tp, layer.rank, layer.local.inter) == (world, rank, shape["I"] // world)
+        wide = torch.empty((x.shape[0], 2 * shape["H"]), dtype=torch.bfloat16, device=device)
+        with pytest.raises(ValueError, match="^out: expected a contiguous"):  # the all-reduce's
+            layer.prepare(x.shape[0], kx.scratch(layer.local), wide[:, :shape["H"]])
         out = torch.empty((x.shape[0], shape["H"]), dtype=torch.bfloat16, device=device)
         layer.prepare(x.shape[0], kx.scratch(layer.local), out)
         result = {"eager": layer.run(x, ids, rw).cpu().clone()}
