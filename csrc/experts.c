@@ -380,14 +380,19 @@ static PyObject *experts_prepare(PyObject *op, PyTypeObject *cls, PyObject *cons
     return NULL;
   }
 
-  /* Everything checked: replace the prepared state in one step. */
-  release_prepared(self);
+  /* Everything checked: replace the prepared state in one step, and only then let the old one
+   * go (its destructors may run Python code, which must not see a half state). */
+  kx_tensor old_out = self->out;
+  PyObject *old_out_obj = self->out_obj, *old_scratch = self->scratch;
   self->out = out;
   self->out_obj = Py_NewRef(v[2]);
   self->scratch = Py_NewRef(scratch_obj);
   self->batch = batch;
   self->combine = combine;
   self->prepared = 1;
+  kx_tensor_release(&old_out);
+  Py_XDECREF(old_out_obj);
+  Py_XDECREF(old_scratch);
   Py_RETURN_NONE;
 }
 
@@ -446,45 +451,52 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
       (v[4] != NULL && kx_arg_bool(v[4], "validate", &validate) < 0) ||
       kx_arg_inputs_stream(v[5], stream, &dlstream) < 0)
     return NULL;
+  PyObject *weights_obj = v[2] == Py_None ? NULL : v[2];
+  kx_tensor x = {0}, ids = {0}, w = {0};
+  PyObject *result = NULL, *out_obj = NULL, *out_owner = NULL, *scratch_obj = NULL;
+  /* Every import first: a producer's __dlpack__ is Python code, during which another thread may
+   * re-prepare this layer. The prepared state is read after the last one, and nothing below
+   * runs Python code before the call is launched (or, on the CPU, its inputs are held). */
+  if (kx_tensor_import(v[0], "x", dlstream, &x) < 0 || kx_tensor_import(v[1], "ids", dlstream, &ids) < 0 ||
+      (weights_obj != NULL && kx_tensor_import(weights_obj, "weights", dlstream, &w) < 0))
+    goto done;
   if (!self->prepared) {
     PyErr_SetString(PyExc_RuntimeError,
                     "run(): this layer has no prepared batch; call prepare() first");
-    return NULL;
+    goto done;
   }
-  PyObject *weights_obj = v[2] == Py_None ? NULL : v[2];
+  const int64_t batch = self->batch;
   if (self->combine && weights_obj == NULL) {
     PyErr_Format(PyExc_ValueError,
                  "weights: required: the layer was prepared with combine=True "
                  "(expected float32 [%lld, %d])",
-                 (long long)self->batch, (int)self->desc.top_k);
-    return NULL;
+                 (long long)batch, (int)self->desc.top_k);
+    goto done;
   }
   if (!self->combine && weights_obj != NULL) {
     PyErr_SetString(PyExc_ValueError,
                     "weights: expected None: the layer was prepared for per-slot rows "
                     "(prepare(..., combine=True) to combine)");
-    return NULL;
-  }
-
-  const int64_t x_shape[2] = {self->batch, self->desc.hidden};
-  const int64_t k_shape[2] = {self->batch, self->desc.top_k};
-  kx_tensor x = {0}, ids = {0}, w = {0};
-  PyObject *result = NULL;
-  if (kx_tensor_import(v[0], "x", dlstream, &x) < 0 || kx_check_device(&x, "x", self->device) < 0 ||
-      kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 || kx_check_shape(&x, "x", 2, x_shape) < 0 ||
-      kx_check_rows(&x, "x") < 0)
     goto done;
-  if (kx_tensor_import(v[1], "ids", dlstream, &ids) < 0 ||
-      kx_check_device(&ids, "ids", self->device) < 0 ||
+  }
+  const int64_t x_shape[2] = {batch, self->desc.hidden};
+  const int64_t k_shape[2] = {batch, self->desc.top_k};
+  if (kx_check_device(&x, "x", self->device) < 0 || kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 ||
+      kx_check_shape(&x, "x", 2, x_shape) < 0 || kx_check_rows(&x, "x") < 0)
+    goto done;
+  if (kx_check_device(&ids, "ids", self->device) < 0 ||
       kx_check_dtype(&ids, "ids", KX_DTYPE_INT32) < 0 ||
       kx_check_shape(&ids, "ids", 2, k_shape) < 0 || kx_check_rows(&ids, "ids") < 0)
     goto done;
   if (weights_obj != NULL &&
-      (kx_tensor_import(weights_obj, "weights", dlstream, &w) < 0 ||
-       kx_check_device(&w, "weights", self->device) < 0 ||
+      (kx_check_device(&w, "weights", self->device) < 0 ||
        kx_check_dtype(&w, "weights", KX_DTYPE_FLOAT32) < 0 ||
        kx_check_shape(&w, "weights", 2, k_shape) < 0 || kx_check_rows(&w, "weights") < 0))
     goto done;
+  /* What the call writes, held while other threads may run (and re-prepare). */
+  out_obj = Py_NewRef(self->out_obj);
+  out_owner = Py_NewRef(self->out.owner);
+  scratch_obj = Py_NewRef(self->scratch);
 
   kx_cpu_moe_call call = {
       .x = x.data,
@@ -493,11 +505,11 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
       .ids_row_stride = kx_row_stride(&ids),
       .route_weights = weights_obj != NULL ? w.data : NULL,
       .weights_row_stride = weights_obj != NULL ? kx_row_stride(&w) : 0,
-      .batch = self->batch,
+      .batch = batch,
       .out = self->out.data,
       .out_row_stride = kx_row_stride(&self->out),
   };
-  kx_scratch *scratch = (kx_scratch *)self->scratch;
+  kx_scratch *scratch = (kx_scratch *)scratch_obj;
   if (self->gpu != NULL) {
     if (kx_gpu_moe_run(st, self->gpu, scratch->dev_ptr, &call, stream) < 0) goto done;
   } else {
@@ -516,14 +528,10 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
     };
     kx_cpu_fault fault = {0};
     int rc;
-    /* Hold what the call reads and writes while other threads may run (and re-prepare). */
-    PyObject *keep_out = Py_NewRef(self->out.owner), *keep_scratch = Py_NewRef(self->scratch);
     Py_BEGIN_ALLOW_THREADS
     rc = kx_cpu_moe_run(&layer, &call, &fault);
     Py_END_ALLOW_THREADS
     if (fault.bad && !self->fault.bad) self->fault = fault;
-    Py_DECREF(keep_out);
-    Py_DECREF(keep_scratch);
     if (rc != 0) {
       PyErr_SetString(PyExc_MemoryError, "run(): the CPU backend could not allocate its work lists");
       goto done;
@@ -531,11 +539,14 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
   }
   self->last_stream = stream;
   if (validate && check_fault(st, self, stream) < 0) goto done;
-  result = Py_NewRef(self->out_obj);
+  result = Py_NewRef(out_obj);
 done:
   kx_tensor_release(&x);
   kx_tensor_release(&ids);
   kx_tensor_release(&w);
+  Py_XDECREF(out_obj);
+  Py_XDECREF(out_owner);
+  Py_XDECREF(scratch_obj);
   return result;
 }
 

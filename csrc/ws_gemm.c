@@ -216,13 +216,18 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
       return NULL;
     }
   }
-  release_prepared(self);
+  /* Replace the prepared state in one step, and only then let the old one go (its destructors
+   * may run Python code, which must not see a half state). */
+  kx_tensor old[3] = {self->y, self->logits, self->latent};
+  PyObject *old_result = self->result;
   self->y = y;
   self->logits = lg;
   self->latent = lt;
   self->result = result;
   self->m = m;
   self->prepared = 1;
+  for (int i = 0; i < 3; i++) kx_tensor_release(&old[i]);
+  Py_XDECREF(old_result);
   Py_RETURN_NONE;
 }
 
@@ -238,13 +243,17 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (kx_arg_stream(v[1], "stream", &stream) < 0 ||
       kx_arg_inputs_stream(v[2], stream, &dlstream) < 0)
     return NULL;
+  /* Import first: a producer's __dlpack__ is Python code, during which another thread may
+   * re-prepare; the prepared state is read after it, and nothing below runs Python code before
+   * the call is launched (or, on the CPU, its outputs are held). */
+  kx_tensor x;
+  if (kx_tensor_import(v[0], "x", dlstream, &x) < 0) return NULL;
   if (!self->prepared) {
     PyErr_SetString(PyExc_RuntimeError, "run(): this WsGemm has no prepared m; call prepare() first");
+    kx_tensor_release(&x);
     return NULL;
   }
   const int64_t x_shape[2] = {self->m, self->k};
-  kx_tensor x;
-  if (kx_tensor_import(v[0], "x", dlstream, &x) < 0) return NULL;
   if (kx_check_device(&x, "x", self->device) < 0 ||
       kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 || kx_check_shape(&x, "x", 2, x_shape) < 0 ||
       kx_check_rows(&x, "x") < 0 ||
@@ -252,6 +261,10 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
     kx_tensor_release(&x);
     return NULL;
   }
+  /* The outputs' owners (result may be a consumed capsule, which keeps nothing alive). */
+  PyObject *result = Py_NewRef(self->result);
+  PyObject *keep[3] = {Py_XNewRef(self->y.owner), Py_XNewRef(self->logits.owner),
+                       Py_XNewRef(self->latent.owner)};
   const int split = self->split_mode;
   kx_cpu_gemm_call call = {
       .w = self->w.data,
@@ -274,18 +287,14 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (self->gpu != NULL) {
     rc = kx_gpu_gemm_run(state_of(cls), self->gpu, &call, stream);
   } else {
-    /* Hold the outputs' memory while other threads may run (and re-prepare): their owners, since
-     * result may be a consumed capsule, which keeps nothing alive. */
-    PyObject *keep[3] = {Py_XNewRef(self->y.owner), Py_XNewRef(self->logits.owner),
-                         Py_XNewRef(self->latent.owner)};
     Py_BEGIN_ALLOW_THREADS
     kx_cpu_gemm(&call);
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < 3; i++) Py_XDECREF(keep[i]);
   }
+  for (int i = 0; i < 3; i++) Py_XDECREF(keep[i]);
   kx_tensor_release(&x);
-  if (rc < 0) return NULL;
-  return Py_NewRef(self->result);
+  if (rc < 0) Py_CLEAR(result);
+  return result;
 }
 
 #define INT_GETTER(name, expr)                                         \

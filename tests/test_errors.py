@@ -438,3 +438,46 @@ def test_bad_id_record_is_per_layer_on_shared_scratch(kx, weights):
         a.moe.check()
     assert_names_first_bad(str(info.value), 2, 1, E + 3)
     a.moe.check()
+
+
+class RepreparesOnExport:
+    """An input whose __dlpack__ runs `hook` first: Python code inside run(), where another
+    thread could as well re-prepare the layer."""
+
+    def __init__(self, t, hook):
+        self.t, self.hook = t, hook
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        self.hook()
+        return self.t.__dlpack__(**kwargs)
+
+
+def test_run_reads_the_prepared_state_after_its_inputs(kx, layer):
+    """prepare() from inside run() (an input's __dlpack__): run() checks its inputs against
+    the state it then runs with, so a larger batch prepared meanwhile is a shape error, not a
+    read past x and ids (before: ids read out of bounds, a segfault at larger batches), and a
+    new out of the same batch is the one written and returned."""
+    x, ids, _ = inputs(seed_of("reprepare"))
+    scratch = kx.scratch(layer.moe)
+    layer.moe.prepare(B, scratch, torch.empty((B * K, H), dtype=torch.bfloat16))
+    big = poison_(torch.empty((64 * B * K, H), dtype=torch.bfloat16), SENTINEL)
+    grow = RepreparesOnExport(x, lambda: layer.moe.prepare(64 * B, scratch, big))
+    expect(ValueError, layer.moe.run, grow, ids, arg="x", untouched=[big])
+    fresh = poison_(torch.empty((B * K, H), dtype=torch.bfloat16), SENTINEL)
+    swap = RepreparesOnExport(ids, lambda: layer.moe.prepare(B, scratch, fresh))
+    assert layer.moe.run(x, swap) is fresh, "run() returned another out than the one it wrote"
+    check_close(fresh, layer.reference(x, ids), "out prepared inside run()")
+
+    W = torch.randn(128, 64).bfloat16()
+    gemm = kx.WsGemm(W)
+    gemm.prepare(1, torch.empty((1, 128), dtype=torch.bfloat16))
+    y_big = poison_(torch.empty((256, 128), dtype=torch.bfloat16), SENTINEL)
+    xg = torch.randn(1, 64).bfloat16()
+    expect(ValueError, gemm.run, RepreparesOnExport(xg, lambda: gemm.prepare(256, y_big)), arg="x",
+           untouched=[y_big])
+    y = poison_(torch.empty((1, 128), dtype=torch.bfloat16), SENTINEL)
+    assert gemm.run(RepreparesOnExport(xg, lambda: gemm.prepare(1, y))) is y
+    assert count_bits(y, SENTINEL) == 0, "the out prepared inside run() was not written"
