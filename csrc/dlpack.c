@@ -471,6 +471,42 @@ int kx_check_rows(const kx_tensor *t, const char *arg) {
   return -1;
 }
 
+/* Rows of a 2-D tensor that passed kx_check_rows, in bytes from `base`. */
+typedef struct byte_rows {
+  int64_t first, stride, width, count;
+} byte_rows;
+
+static byte_rows rows_in_bytes(const kx_tensor *t, uintptr_t base) {
+  const int64_t item = (int64_t)kx_dtype_size(t->dtype);
+  return (byte_rows){(int64_t)((uintptr_t)t->data - base), kx_row_stride(t) * item,
+                     t->shape[1] * item, t->shape[0]};
+}
+
+static int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
+
+int kx_check_disjoint(const kx_tensor *out, const char *out_arg, const kx_tensor *in, const char *in_arg) {
+  if (kx_numel(out) == 0 || kx_numel(in) == 0) return 0;
+  const uintptr_t base = (uintptr_t)out->data < (uintptr_t)in->data ? (uintptr_t)out->data : (uintptr_t)in->data;
+  byte_rows a = rows_in_bytes(out, base), b = rows_in_bytes(in, base);
+  if (a.count > b.count) { /* walk the shorter */
+    const byte_rows t = a;
+    a = b;
+    b = t;
+  }
+  for (int64_t i = 0; i < a.count; i++) {
+    const int64_t start = a.first + i * a.stride, end = start + a.width;
+    /* b's rows end in increasing order: the first to end after `start` is the only candidate */
+    int64_t j = floor_div(start - b.width - b.first, b.stride) + 1;
+    if (j < 0) j = 0;
+    if (j < b.count && b.first + j * b.stride < end) {
+      PyErr_Format(PyExc_ValueError, "%s: shares memory with %s (an output may not overlap an input "
+                   "or another output)", out_arg, in_arg);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 int kx_check_contiguous(const kx_tensor *t, const char *arg) {
   int64_t expect = 1;
   int ok = 1;

@@ -165,6 +165,8 @@ int kx_check_shape(const kx_tensor *t, const char *arg, int ndim, const int64_t 
 /* A 2-D tensor whose rows are contiguous (column stride 1) and do not overlap
  * (row stride >= columns); the row stride may be larger (padded rows, views). */
 int kx_check_rows(const kx_tensor *t, const char *arg);
+/* Raises ValueError naming both when two tensors that passed kx_check_rows share a byte. */
+int kx_check_disjoint(const kx_tensor *out, const char *out_arg, const kx_tensor *in, const char *in_arg);
 int kx_check_contiguous(const kx_tensor *t, const char *arg);
 int kx_check_writable(const kx_tensor *t, const char *arg);
 /* For CPU-side code: device must be the CPU (or pinned host memory). */

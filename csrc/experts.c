@@ -493,6 +493,9 @@ static PyObject *experts_run(PyObject *op, PyTypeObject *cls, PyObject *const *a
        kx_check_dtype(&w, "weights", KX_DTYPE_FLOAT32) < 0 ||
        kx_check_shape(&w, "weights", 2, k_shape) < 0 || kx_check_rows(&w, "weights") < 0))
     goto done;
+  if (kx_check_disjoint(&self->out, "out", &x, "x") < 0 || kx_check_disjoint(&self->out, "out", &ids, "ids") < 0 ||
+      (weights_obj != NULL && kx_check_disjoint(&self->out, "out", &w, "weights") < 0))
+    goto done;
   /* What the call writes, held while other threads may run (and re-prepare). */
   out_obj = Py_NewRef(self->out_obj);
   out_owner = Py_NewRef(self->out.owner);

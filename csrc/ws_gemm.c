@@ -193,6 +193,10 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
       return NULL;
     }
     if (import_output(self, out, "out", KX_DTYPE_BFLOAT16, m, self->n, &y) < 0) return NULL;
+    if (kx_check_disjoint(&y, "out", &self->w, "W") < 0) {
+      kx_tensor_release(&y);
+      return NULL;
+    }
     result = Py_NewRef(out);
   } else {
     if (out != NULL || logits == NULL || latent == NULL) {
@@ -207,6 +211,12 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
     if (import_output(self, latent, "latent", KX_DTYPE_BFLOAT16, m, self->n - self->split, &lt) <
         0) {
       kx_tensor_release(&lg);
+      return NULL;
+    }
+    if (kx_check_disjoint(&lg, "logits", &lt, "latent") < 0 || kx_check_disjoint(&lg, "logits", &self->w, "W") < 0 ||
+        kx_check_disjoint(&lt, "latent", &self->w, "W") < 0) {
+      kx_tensor_release(&lg);
+      kx_tensor_release(&lt);
       return NULL;
     }
     result = PyTuple_Pack(2, logits, latent);
@@ -257,7 +267,10 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
   if (kx_check_device(&x, "x", self->device) < 0 ||
       kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 || kx_check_shape(&x, "x", 2, x_shape) < 0 ||
       kx_check_rows(&x, "x") < 0 ||
-      (self->gpu != NULL && check_tma_operand(&x, "x", self->m) < 0)) {
+      (self->gpu != NULL && check_tma_operand(&x, "x", self->m) < 0) ||
+      (self->split_mode ? kx_check_disjoint(&self->logits, "logits", &x, "x") < 0 ||
+                              kx_check_disjoint(&self->latent, "latent", &x, "x") < 0
+                        : kx_check_disjoint(&self->y, "out", &x, "x") < 0)) {
     kx_tensor_release(&x);
     return NULL;
   }

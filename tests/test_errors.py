@@ -481,3 +481,52 @@ def test_run_reads_the_prepared_state_after_its_inputs(kx, layer):
     y = poison_(torch.empty((1, 128), dtype=torch.bfloat16), SENTINEL)
     assert gemm.run(RepreparesOnExport(xg, lambda: gemm.prepare(1, y))) is y
     assert count_bits(y, SENTINEL) == 0, "the out prepared inside run() was not written"
+
+
+def test_outputs_may_not_overlap_inputs(kx, layer):
+    """An output sharing memory with an input (or, for WsGemm, with the other output or W)
+    would be read after it was written: refused naming both, nothing written. Views of one
+    buffer that share no element are fine."""
+    bf = torch.bfloat16
+    x, ids, rw = inputs(seed_of("overlap"))
+    scratch = kx.scratch(layer.moe)
+    z = poison_(torch.empty((B, H), dtype=bf), SENTINEL)
+    layer.moe.prepare(B, scratch, z, combine=True)
+    inside = z[:2].view(torch.float32)[:, :K]  # the routing weights stored in z's rows
+    inside.copy_(rw[:2])
+    for name, args in [("x", (z, ids, rw)), ("weights", (x[:2].clone(), ids[:2], inside))]:
+        if name == "weights":
+            layer.moe.prepare(2, scratch, z[:2], combine=True)
+        msg = expect(ValueError, layer.moe.run, *args, arg="out")
+        assert name in msg, f"message does not name {name!r}: {msg!r}"
+    box = poison_(torch.empty((2 * B * K, H), dtype=bf), SENTINEL)  # out and x side by side
+    layer.moe.prepare(B, scratch, box[:B * K])
+    box[B * K:B * K + B].copy_(x)
+    layer.moe.run(box[B * K:B * K + B], ids)
+    check_close(box[:B * K], layer.reference(x, ids), "out beside x in one buffer")
+    comb = poison_(torch.empty((2 * B * K, H), dtype=bf), SENTINEL)  # rows interleaved: even / odd
+    layer.moe.prepare(B, scratch, comb[0::2][:B * K])
+    comb[1::2][:B].copy_(x)
+    layer.moe.run(comb[1::2][:B], ids)
+    check_close(comb[0::2][:B * K], layer.reference(x, ids), "out and x on alternate rows of one buffer")
+    straddling = torch.as_strided(comb, (B, H), (2 * H, 1), H + H // 2)  # half an odd row, half an even
+    expect(ValueError, layer.moe.run, straddling, ids, arg="out")
+
+    W = torch.randn(128, 64).bfloat16()
+    xg = torch.randn(2, 64).bfloat16()
+    gemm = kx.WsGemm(W)
+    buf = torch.zeros((2, 128), dtype=bf)
+    gemm.prepare(2, buf)
+    expect(ValueError, gemm.run, buf[:, :64], arg="out")
+    msg = expect(ValueError, gemm.prepare, 2, W.view(-1)[:256].view(2, 128), arg="out")
+    assert "W" in msg
+    split = kx.WsGemm(W, split=64, valid=48)
+    shared = torch.zeros((2, 512), dtype=bf)
+    msg = expect(ValueError, split.prepare, 2, logits=shared[:, :96].view(torch.float32),
+                 latent=shared[:, 40:104], arg="logits")
+    assert "latent" in msg
+    split.prepare(2, logits=shared[:, :96].view(torch.float32), latent=shared[:, 96:160])
+    logits, latent = split.run(xg)
+    want = xg.double() @ W.double().T
+    assert torch.allclose(logits.double(), want[:, :48], rtol=2e-2, atol=1e-2)
+    assert torch.allclose(latent.double(), want[:, 64:], rtol=2e-2, atol=1e-2)
