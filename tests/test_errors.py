@@ -21,6 +21,8 @@ SHAPE = dict(name="err-h128-i64-e5-k4", H=128, I=64, E=5, top_k=4, hidden_scale=
 H, I, E, K = SHAPE["H"], SHAPE["I"], SHAPE["E"], SHAPE["top_k"]
 B = 3
 SENTINEL = FINITE_SENTINEL  # "not written" must stay distinguishable from a written NaN
+# the host-code paths both backends share, also run against CUDA tensors (on the GPU machine)
+BOTH_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -455,42 +457,46 @@ class RepreparesOnExport:
         return self.t.__dlpack__(**kwargs)
 
 
-def test_run_reads_the_prepared_state_after_its_inputs(kx, layer):
+@pytest.mark.parametrize("device", BOTH_DEVICES)
+def test_run_reads_the_prepared_state_after_its_inputs(kx, weights, device):
     """prepare() from inside run() (an input's __dlpack__): run() checks its inputs against
     the state it then runs with, so a larger batch prepared meanwhile is a shape error, not a
     read past x and ids (before: ids read out of bounds, a segfault at larger batches), and a
     new out of the same batch is the one written and returned."""
-    x, ids, _ = inputs(seed_of("reprepare"))
+    layer = Layer(kx, SHAPE, tuple(t.to(device) for t in weights))
+    x, ids, _ = (t.to(device) for t in inputs(seed_of("reprepare")))
     scratch = kx.scratch(layer.moe)
-    layer.moe.prepare(B, scratch, torch.empty((B * K, H), dtype=torch.bfloat16))
-    big = poison_(torch.empty((64 * B * K, H), dtype=torch.bfloat16), SENTINEL)
+    layer.moe.prepare(B, scratch, torch.empty((B * K, H), dtype=torch.bfloat16, device=device))
+    big = poison_(torch.empty((64 * B * K, H), dtype=torch.bfloat16, device=device), SENTINEL)
     grow = RepreparesOnExport(x, lambda: layer.moe.prepare(64 * B, scratch, big))
     expect(ValueError, layer.moe.run, grow, ids, arg="x", untouched=[big])
-    fresh = poison_(torch.empty((B * K, H), dtype=torch.bfloat16), SENTINEL)
+    fresh = poison_(torch.empty((B * K, H), dtype=torch.bfloat16, device=device), SENTINEL)
     swap = RepreparesOnExport(ids, lambda: layer.moe.prepare(B, scratch, fresh))
     assert layer.moe.run(x, swap) is fresh, "run() returned another out than the one it wrote"
     check_close(fresh, layer.reference(x, ids), "out prepared inside run()")
 
-    W = torch.randn(128, 64).bfloat16()
+    W = torch.randn(128, 64).bfloat16().to(device)
     gemm = kx.WsGemm(W)
-    gemm.prepare(1, torch.empty((1, 128), dtype=torch.bfloat16))
-    y_big = poison_(torch.empty((256, 128), dtype=torch.bfloat16), SENTINEL)
-    xg = torch.randn(1, 64).bfloat16()
+    gemm.prepare(1, torch.empty((1, 128), dtype=torch.bfloat16, device=device))
+    y_big = poison_(torch.empty((256, 128), dtype=torch.bfloat16, device=device), SENTINEL)
+    xg = torch.randn(1, 64).bfloat16().to(device)
     expect(ValueError, gemm.run, RepreparesOnExport(xg, lambda: gemm.prepare(256, y_big)), arg="x",
            untouched=[y_big])
-    y = poison_(torch.empty((1, 128), dtype=torch.bfloat16), SENTINEL)
+    y = poison_(torch.empty((1, 128), dtype=torch.bfloat16, device=device), SENTINEL)
     assert gemm.run(RepreparesOnExport(xg, lambda: gemm.prepare(1, y))) is y
     assert count_bits(y, SENTINEL) == 0, "the out prepared inside run() was not written"
 
 
-def test_outputs_may_not_overlap_inputs(kx, layer):
+@pytest.mark.parametrize("device", BOTH_DEVICES)
+def test_outputs_may_not_overlap_inputs(kx, weights, device):
     """An output sharing memory with an input (or, for WsGemm, with the other output or W)
     would be read after it was written: refused naming both, nothing written. Views of one
     buffer that share no element are fine."""
     bf = torch.bfloat16
-    x, ids, rw = inputs(seed_of("overlap"))
+    layer = Layer(kx, SHAPE, tuple(t.to(device) for t in weights))
+    x, ids, rw = (t.to(device) for t in inputs(seed_of("overlap")))
     scratch = kx.scratch(layer.moe)
-    z = poison_(torch.empty((B, H), dtype=bf), SENTINEL)
+    z = poison_(torch.empty((B, H), dtype=bf, device=device), SENTINEL)
     layer.moe.prepare(B, scratch, z, combine=True)
     inside = z[:2].view(torch.float32)[:, :K]  # the routing weights stored in z's rows
     inside.copy_(rw[:2])
@@ -499,12 +505,12 @@ def test_outputs_may_not_overlap_inputs(kx, layer):
             layer.moe.prepare(2, scratch, z[:2], combine=True)
         msg = expect(ValueError, layer.moe.run, *args, arg="out")
         assert name in msg, f"message does not name {name!r}: {msg!r}"
-    box = poison_(torch.empty((2 * B * K, H), dtype=bf), SENTINEL)  # out and x side by side
+    box = poison_(torch.empty((2 * B * K, H), dtype=bf, device=device), SENTINEL)  # out and x side by side
     layer.moe.prepare(B, scratch, box[:B * K])
     box[B * K:B * K + B].copy_(x)
     layer.moe.run(box[B * K:B * K + B], ids)
     check_close(box[:B * K], layer.reference(x, ids), "out beside x in one buffer")
-    comb = poison_(torch.empty((2 * B * K, H), dtype=bf), SENTINEL)  # rows interleaved: even / odd
+    comb = poison_(torch.empty((2 * B * K, H), dtype=bf, device=device), SENTINEL)  # rows interleaved: even / odd
     layer.moe.prepare(B, scratch, comb[0::2][:B * K])
     comb[1::2][:B].copy_(x)
     layer.moe.run(comb[1::2][:B], ids)
@@ -512,16 +518,16 @@ def test_outputs_may_not_overlap_inputs(kx, layer):
     straddling = torch.as_strided(comb, (B, H), (2 * H, 1), H + H // 2)  # half an odd row, half an even
     expect(ValueError, layer.moe.run, straddling, ids, arg="out")
 
-    W = torch.randn(128, 64).bfloat16()
-    xg = torch.randn(2, 64).bfloat16()
+    W = torch.randn(128, 64).bfloat16().to(device)
+    xg = torch.randn(2, 64).bfloat16().to(device)
     gemm = kx.WsGemm(W)
-    buf = torch.zeros((2, 128), dtype=bf)
+    buf = torch.zeros((2, 128), dtype=bf, device=device)
     gemm.prepare(2, buf)
     expect(ValueError, gemm.run, buf[:, :64], arg="out")
     msg = expect(ValueError, gemm.prepare, 2, W.view(-1)[:256].view(2, 128), arg="out")
     assert "W" in msg
     split = kx.WsGemm(W, split=64, valid=48)
-    shared = torch.zeros((2, 512), dtype=bf)
+    shared = torch.zeros((2, 512), dtype=bf, device=device)
     msg = expect(ValueError, split.prepare, 2, logits=shared[:, :96].view(torch.float32),
                  latent=shared[:, 40:104], arg="logits")
     assert "latent" in msg
