@@ -164,6 +164,14 @@ static int import_output(kx_wsgemm *self, PyObject *obj, const char *arg, kx_dty
   return 0;
 }
 
+/* Raises unless the outputs (y; or logits and latent with the split epilogue) share no memory
+ * with `t` (W at prepare, x at each run). */
+static int check_outputs_apart(int split, const kx_tensor *y, const kx_tensor *lg, const kx_tensor *lt,
+                               const kx_tensor *t, const char *arg) {
+  if (!split) return kx_check_disjoint(y, "out", t, arg);
+  return kx_check_disjoint(lg, "logits", t, arg) < 0 || kx_check_disjoint(lt, "latent", t, arg) < 0 ? -1 : 0;
+}
+
 static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObject *const *args,
                               Py_ssize_t nargs, PyObject *kwnames) {
   kx_wsgemm *self = (kx_wsgemm *)op;
@@ -193,10 +201,6 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
       return NULL;
     }
     if (import_output(self, out, "out", KX_DTYPE_BFLOAT16, m, self->n, &y) < 0) return NULL;
-    if (kx_check_disjoint(&y, "out", &self->w, "W") < 0) {
-      kx_tensor_release(&y);
-      return NULL;
-    }
     result = Py_NewRef(out);
   } else {
     if (out != NULL || logits == NULL || latent == NULL) {
@@ -213,18 +217,19 @@ static PyObject *gemm_prepare(PyObject *op, PyTypeObject *Py_UNUSED(cls), PyObje
       kx_tensor_release(&lg);
       return NULL;
     }
-    if (kx_check_disjoint(&lg, "logits", &lt, "latent") < 0 || kx_check_disjoint(&lg, "logits", &self->w, "W") < 0 ||
-        kx_check_disjoint(&lt, "latent", &self->w, "W") < 0) {
-      kx_tensor_release(&lg);
-      kx_tensor_release(&lt);
-      return NULL;
-    }
-    result = PyTuple_Pack(2, logits, latent);
+    result = kx_check_disjoint(&lg, "logits", &lt, "latent") < 0 ? NULL : PyTuple_Pack(2, logits, latent);
     if (result == NULL) {
       kx_tensor_release(&lg);
       kx_tensor_release(&lt);
       return NULL;
     }
+  }
+  if (check_outputs_apart(self->split_mode, &y, &lg, &lt, &self->w, "W") < 0) {
+    kx_tensor_release(&y);
+    kx_tensor_release(&lg);
+    kx_tensor_release(&lt);
+    Py_DECREF(result);
+    return NULL;
   }
   /* Replace the prepared state in one step, and only then let the old one go (its destructors
    * may run Python code, which must not see a half state). */
@@ -268,9 +273,7 @@ static PyObject *gemm_run(PyObject *op, PyTypeObject *cls, PyObject *const *args
       kx_check_dtype(&x, "x", KX_DTYPE_BFLOAT16) < 0 || kx_check_shape(&x, "x", 2, x_shape) < 0 ||
       kx_check_rows(&x, "x") < 0 ||
       (self->gpu != NULL && check_tma_operand(&x, "x", self->m) < 0) ||
-      (self->split_mode ? kx_check_disjoint(&self->logits, "logits", &x, "x") < 0 ||
-                              kx_check_disjoint(&self->latent, "latent", &x, "x") < 0
-                        : kx_check_disjoint(&self->y, "out", &x, "x") < 0)) {
+      check_outputs_apart(self->split_mode, &self->y, &self->logits, &self->latent, &x, "x") < 0) {
     kx_tensor_release(&x);
     return NULL;
   }
