@@ -304,9 +304,10 @@ def test_outputs_must_be_the_callers_writable_memory(kx, layer, make):
     rows = np.zeros((B * K, H), np.uint16)
     with pytest.raises(ValueError, match=r"^out: .*(read-only|copy)"):
         layer.moe.prepare(B, kx.scratch(layer.moe), kx.as_bfloat16(make(rows)))
-    gemm = kx.WsGemm(torch.zeros((96, 64), dtype=torch.bfloat16), split=32, valid=16)
+    W = torch.zeros((96, 64), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^out: .*(read-only|copy)"):
-        kx.WsGemm(torch.zeros((96, 64), dtype=torch.bfloat16)).prepare(1, kx.as_bfloat16(make(np.zeros((1, 96), np.uint16))))
+        kx.WsGemm(W).prepare(1, kx.as_bfloat16(make(np.zeros((1, 96), np.uint16))))
+    gemm = kx.WsGemm(W, split=32, valid=16)
     with pytest.raises(ValueError, match=r"^logits: .*(read-only|copy)"):
         gemm.prepare(1, logits=make(np.zeros((1, 16), np.float32)),
                      latent=torch.zeros((1, 64), dtype=torch.bfloat16))
@@ -331,11 +332,10 @@ def test_as_bfloat16_takes_bit_patterns_only(kx):
                 OnlyDLPack(np.ones(4, np.float16))):
         with pytest.raises(TypeError, match=r"^bits: .*got (float16|float32)"):
             kx.as_bfloat16(bad)
-    bits = kx.float32_to_bf16(np.array([1.0, -2.5], np.float32))
+    bits = kx.float32_to_bf16(np.tile(np.array([1.0, -2.5], np.float32), 16))  # one MX block
     for good in (bits, bits.view(np.int16), torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)):
-        q, s = kx.quantize_mxfp8(kx.as_bfloat16(np.tile(np.asarray(good).view(np.uint16), 16)
-                                                if isinstance(good, np.ndarray) else good.repeat(16)))
-        assert np.array_equal(kx.dequantize(q, s, "mxfp8")[:2], [1.0, -2.5])
+        q, s = kx.quantize_mxfp8(kx.as_bfloat16(good))
+        assert np.array_equal(np.asarray(kx.dequantize(q, s, "mxfp8"))[:2], [1.0, -2.5]), type(good)
 
 
 def test_unconsumed_export_keeps_the_pending_exception(kx):

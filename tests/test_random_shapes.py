@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from gemm_check import abs_products, assert_gemm_close, make_gemm_inputs, neg_zero_count, want_for
-from moe_check import Layer, bitwise_equal, check_close
+from moe_check import Layer, bitwise_equal, check_close, row_strided
 from shapes import (count_bits, make_ids, make_route_weights, make_weights, make_x, make_x_varied,
                     poison_, seed_of, strided_rows)
 
 OUTSIDE = 0x2345  # bf16 bits of the bytes around an output view; a finite value never written
+OUTSIDE_F32 = OUTSIDE << 16 | OUTSIDE  # the same bytes around a float32 view
 
 # Per backend: how many cases, and the largest draws (B and E log-uniform). H and I are drawn
 # under what E leaves: a layer holds at most `weights` FP4 weights (E x H x I) and the
@@ -63,8 +64,7 @@ def run_moe_case(kx, case: dict, device: str):
     weights = tuple(t.to(device) for t in make_weights(case, seed))
     layer = Layer(kx, case, weights, beta=case["beta"], linear_beta=case["linear_beta"])
     x = (make_x_varied if case["varied"] else make_x)(B, H, seed)
-    _, xv = strided_rows(B, H, case["x_pad"], torch.bfloat16, device)
-    xv.copy_(x)
+    xv = row_strided(x.to(device), case["x_pad"], 1.0)
     ids = make_ids(B, case["top_k"], case["E"], seed).to(device)
     rw = make_route_weights(B, case["top_k"], seed).to(device) if case["combine"] else None
     rows = B if case["combine"] else B * case["top_k"]
@@ -99,8 +99,7 @@ def run_gemm_case(kx, case: dict, device: str):
     what = f"random gemm {case}"
     seed = seed_of("random-gemm", M, N, K, split, valid)
     x, W = make_gemm_inputs(M, N, K, seed, device)
-    _, xv = strided_rows(M, K, case["x_pad"], torch.bfloat16, device)
-    xv.copy_(x)
+    xv = row_strided(x, case["x_pad"], 1.0)
     want, mag = want_for(x, W), abs_products(x, W)
     gemm = kx.WsGemm(W, split=split, valid=valid)
     if split is None:
@@ -108,7 +107,7 @@ def run_gemm_case(kx, case: dict, device: str):
         gemm.prepare(M, bufs_views[0][1])
         expected = [(want, mag, True)]
     else:
-        bufs_views = [strided_rows(M, valid, case["out_pad"], torch.float32, device, OUTSIDE << 16 | OUTSIDE),
+        bufs_views = [strided_rows(M, valid, case["out_pad"], torch.float32, device, OUTSIDE_F32),
                       strided_rows(M, N - split, case["out_pad"], torch.bfloat16, device, OUTSIDE)]
         gemm.prepare(M, logits=bufs_views[0][1], latent=bufs_views[1][1])
         expected = [(want[:, :valid], mag[:, :valid], False), (want[:, split:], mag[:, split:], True)]
@@ -121,7 +120,7 @@ def run_gemm_case(kx, case: dict, device: str):
     if device == "cuda":
         torch.cuda.synchronize()
     for (buf, view), got, (w, m, bf16) in zip(bufs_views, results[0], expected):
-        outside = OUTSIDE if buf.dtype == torch.bfloat16 else OUTSIDE << 16 | OUTSIDE
+        outside = OUTSIDE if buf.dtype == torch.bfloat16 else OUTSIDE_F32
         assert count_bits(buf, outside) == M * case["out_pad"], f"{what}: bytes outside the output changed"
         assert_gemm_close(got, w, m, what, bf16=bf16)
         assert neg_zero_count(got) == 0, f"{what}: -0.0 written"

@@ -236,12 +236,14 @@ def _lawful_rows(ref, w13, s13, w2, s2, x, ids, scale, reach, seed):
     inter = w13.shape[1] // 2
     W13, W2 = ref.dequantize_mxfp4(w13, s13).double(), ref.dequantize_mxfp4(w2, s2).double()
     xq = ref.dequantize_mxfp8(*ref.quantize_mxfp8(x)).double()
+
+    def jitter(n, bound):  # a fraction in [-1, 1] of reach x bound, its ends included
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        u[torch.rand(n, generator=g) < 0.25] = 1.0
+        return reach * bound * u * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+
     rows, flips = [], 0
     for t, e in ((t, int(e)) for t in range(ids.shape[0]) for e in ids[t]):
-        def jitter(n, bound):  # a fraction in [-1, 1] of the bound, its ends included
-            u = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1
-            u[torch.rand(n, generator=g) < 0.25] = 1.0
-            return reach * bound * u * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
         a = W13[e] @ xq[t]
         a_lawful = a + jitter(a.numel(), ref.SUM_SLACK * (W13[e].abs() @ xq[t].abs()))
         h = ref.situ(a_lawful, inter)
@@ -297,8 +299,8 @@ def test_mxfp8_slack_at_scale_steps(ref, scale):
     mid = base.float().double()
     half = mid.abs() * 2.0**-21
     lo, hi = mid - half, mid + half
-    hq = ref.dequantize_mxfp8(*ref.quantize_mxfp8(mid, scale)).double()
-    hs = ref.quantize_mxfp8(mid, scale)[1]
+    hq_codes, hs = ref.quantize_mxfp8(mid, scale)
+    hq = ref.dequantize_mxfp8(hq_codes, hs).double()
     slack = ref._mxfp8_slack(hq, lo, hi, scale)
     stepped = torch.zeros(64, dtype=torch.bool)
     for u in (0.0, 1.0, *torch.rand(14, generator=g).tolist()):
