@@ -601,6 +601,32 @@ static void fill_dltensor(kx_view *self, DLTensor *dl, int64_t *shape, int64_t *
   dl->byte_offset = 0;
 }
 
+/* The view's memory is its source's, whose producer may still have work pending on it: a
+ * consumer's stream must wait for that as it would had it imported the source itself, so
+ * the request is passed on (the capsule that comes back is dropped; the ordering is done).
+ * A source that was a bare capsule can order nothing, as when imported directly. */
+static int order_source_on(kx_view *self, PyObject *stream) {
+  PyObject *source = self->t.source;
+  if (stream == NULL || stream == Py_None || self->t.device.kind != KX_DEVICE_CUDA ||
+      PyCapsule_CheckExact(source))
+    return 0;
+  PyObject *kwnames = Py_BuildValue("(s)", "stream");
+  PyObject *method = PyUnicode_InternFromString("__dlpack__");
+  PyObject *capsule = NULL;
+  if (kwnames != NULL && method != NULL) {
+    PyObject *argv[2] = {source, stream};
+    capsule = PyObject_VectorcallMethod(method, argv, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, kwnames);
+    if (capsule == NULL)
+      kx_raise_from(PyExc_BufferError,
+                    "stream: the viewed tensor's __dlpack__(stream=...) failed, so its pending "
+                    "work cannot be ordered before the consumer's");
+  }
+  Py_XDECREF(kwnames);
+  Py_XDECREF(method);
+  Py_XDECREF(capsule);
+  return capsule == NULL ? -1 : 0;
+}
+
 static PyObject *view_dlpack(PyObject *op, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames) {
   kx_view *self = (kx_view *)op;
@@ -608,7 +634,6 @@ static PyObject *view_dlpack(PyObject *op, PyObject *const *args, Py_ssize_t nar
   static const kx_argspec spec = {"__dlpack__", names, 0, 0};
   PyObject *v[4];
   if (kx_parse_fast(&spec, args, nargs, kwnames, v) < 0) return NULL;
-  /* stream: nothing of ours is pending on any stream, so there is nothing to order. */
   int versioned = 0;
   if (v[1] != NULL && v[1] != Py_None) {
     if (!PyTuple_Check(v[1]) || PyTuple_GET_SIZE(v[1]) != 2) {
@@ -645,6 +670,7 @@ static PyObject *view_dlpack(PyObject *op, PyObject *const *args, Py_ssize_t nar
                     "(pass max_version=(1, 0))");
     return NULL;
   }
+  if (order_source_on(self, v[0]) < 0) return NULL;
 
   PyObject *capsule;
   if (versioned) {

@@ -64,6 +64,15 @@ def resolve_stream(stream, *tensors) -> int:
     )
 
 
+def torch_stream(stream, device):
+    """``stream`` (anything :func:`resolve_stream` takes but None) as a torch.cuda.Stream on
+    ``device``, for work and allocations that PyTorch must place on it."""
+    torch = sys.modules["torch"]  # imported: the caller holds CUDA torch tensors
+    if isinstance(stream, torch.cuda.Stream):
+        return stream
+    return torch.cuda.ExternalStream(resolve_stream(stream), device=device)
+
+
 def resolve_run_stream(stream, *inputs) -> tuple[int, bool]:
     """A run's stream handle (as :func:`resolve_stream`) and whether its inputs are ordered
     on it already: True when no stream was given and every input (None skipped) is a CUDA

@@ -12,10 +12,11 @@ patterns to the library as bfloat16, and :func:`float32_to_bf16` /
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 
 import numpy as np
 
-from ._util import _C, is_torch, resolve_stream
+from ._util import _C, is_torch, resolve_stream, torch_stream
 
 _BLOCK = 32
 
@@ -46,7 +47,9 @@ def quantize_mxfp8(x, scale: str = "rceil", *, stream=None, out=None):
     scale : {"rceil", "floor"}, default "rceil"
         rceil: the smallest e with amax <= 448 * 2^e; floor (OCP): floor(log2(amax)) - 8.
     stream : optional
-        CUDA input only (default: PyTorch's current stream for torch tensors, else 0).
+        CUDA input only: where the quantizer runs (default: PyTorch's current stream for
+        torch tensors, else 0). Outputs it allocates come from that stream's memory pool,
+        so use them elsewhere as any tensor of a side stream (wait for it first).
     out : (q, scales), optional
         Tensors to write into instead of allocating (uint8, contiguous, the shapes
         below, on x's device). Needed for CUDA input that is neither a torch tensor
@@ -68,23 +71,34 @@ def quantize_mxfp8(x, scale: str = "rceil", *, stream=None, out=None):
         q, s = out
         _C.quantize_mxfp8(x, scale, q=q, scales=s, stream=resolve_stream(stream, x))
         return q, s
-    stream = resolve_stream(stream, x)
+    handle = resolve_stream(stream, x)
     if is_torch(x) and x.is_cuda:
         torch = sys.modules["torch"]
         if x.dtype != torch.bfloat16:
             return _via_cpu(x, lambda c: quantize_mxfp8(c, scale))
-        q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        s = torch.empty(_scales_shape(x.shape), dtype=torch.uint8, device=x.device)
-        _C.quantize_mxfp8(x, scale, q=q, scales=s, stream=stream)
+        # The outputs' memory belongs to the stream that writes it: the caching allocator
+        # then neither hands out memory the current stream still uses nor reuses it there
+        # while the quantizer may still be writing.
+        with nullcontext() if stream is None else torch.cuda.stream(torch_stream(stream, x.device)):
+            q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+            s = torch.empty(_scales_shape(x.shape), dtype=torch.uint8, device=x.device)
+        _C.quantize_mxfp8(x, scale, q=q, scales=s, stream=handle)
         return q, s
     if type(x).__module__.startswith("cupy") and x.device is not None:
         cupy = sys.modules["cupy"]
-        with x.device:
+        with x.device, _cupy_stream(cupy, stream, handle):  # CuPy's pool is per stream too
             q = cupy.empty(x.shape, dtype=cupy.uint8)
             s = cupy.empty(_scales_shape(x.shape), dtype=cupy.uint8)
-        _C.quantize_mxfp8(x, scale, q=q, scales=s, stream=stream)
+        _C.quantize_mxfp8(x, scale, q=q, scales=s, stream=handle)
         return q, s
-    return _like_input(x, _C.quantize_mxfp8(x, scale, stream=stream))
+    return _like_input(x, _C.quantize_mxfp8(x, scale, stream=handle))
+
+
+def _cupy_stream(cupy, stream, handle):
+    """The CuPy stream object for ``handle``: the caller's own, or one wrapping it."""
+    if type(stream).__module__.startswith("cupy"):
+        return stream
+    return cupy.cuda.Stream.null if handle == 0 else cupy.cuda.ExternalStream(handle)
 
 
 def _scales_shape(shape):

@@ -18,7 +18,7 @@ import operator
 
 import numpy as np
 
-from ._util import is_torch, resolve_stream
+from ._util import is_torch, torch_stream
 from .experts import PersistentExperts, Scratch
 
 _BLOCK = 32  # MX block along I: a shard bound inside a block would split its scale
@@ -297,7 +297,5 @@ class TensorParallelExperts:
         if stream is None or not out.is_cuda:  # PyTorch's current stream, as the layer's
             dist.all_reduce(out, group=self.group)
             return
-        if not isinstance(stream, torch.cuda.Stream):
-            stream = torch.cuda.ExternalStream(resolve_stream(stream), device=out.device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(torch_stream(stream, out.device)):
             dist.all_reduce(out, group=self.group)

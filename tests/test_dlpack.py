@@ -4,6 +4,7 @@ calls."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import sys
 import tracemalloc
@@ -336,6 +337,52 @@ def test_as_bfloat16_takes_bit_patterns_only(kx):
     for good in (bits, bits.view(np.int16), torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)):
         q, s = kx.quantize_mxfp8(kx.as_bfloat16(good))
         assert np.array_equal(np.asarray(kx.dequantize(q, s, "mxfp8"))[:2], [1.0, -2.5]), type(good)
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8),
+                ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.c_void_p),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class UnseenCudaMemory:
+    """A producer of a (legacy) DLPack capsule that says its uint16 vector lives on CUDA
+    device 0, at an address nobody reads (the view only passes it on). Records the streams
+    its __dlpack__ is asked for."""
+
+    def __init__(self, n):
+        self.streams = []
+        self._shape = (ctypes.c_int64 * 1)(n)
+        self._managed = _DLManagedTensor(_DLTensor(0x7F0000000000, 2, 0, 1, 1, 16, 1, self._shape))
+
+    def __dlpack__(self, *, stream=None):
+        self.streams.append(stream)
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new_capsule(ctypes.addressof(self._managed), b"dltensor", None)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def test_view_orders_its_source_on_the_consumers_stream(kx):
+    """A consumer asks a view for its stream so that the memory's pending writes come first;
+    those are the source's, so the view passes the request on to the source's __dlpack__
+    (none when the consumer names no stream)."""
+    source = UnseenCudaMemory(64)
+    view = kx.as_bfloat16(source)
+    assert source.streams == [-1]  # viewing reads nothing, so it asks for no ordering
+    view.__dlpack__(stream=7)
+    view.__dlpack__()
+    view.__dlpack__(stream=1, max_version=(1, 0))
+    assert source.streams == [-1, 7, 1], source.streams
 
 
 def test_unconsumed_export_keeps_the_pending_exception(kx):
